@@ -1,0 +1,66 @@
+"""Interleaved (GPT-J style) rotary embedding on the last `rope_head_dim` dims, with YaRN.
+
+Window-only layers use `rope_theta` without YaRN; compressed layers (ratio 4 and 128) use
+`compress_rope_theta` with YaRN frequency interpolation and no magnitude scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, Yarn
+
+
+def inv_freq(rope_dim: int, base: float, yarn: Yarn | None) -> np.ndarray:
+    """Inverse frequencies `[rope_dim // 2]` in float32, one per interleaved pair."""
+    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
+    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    extrapolation = np.float32(1.0) / pos_freqs
+    if yarn is None:
+        return extrapolation
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # the ramp would divide by zero
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)  # 1: original frequency, 0: divided by factor
+    interpolation = np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)
+    return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def layer_inv_freqs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(window-only layers' inv_freq, compressed layers' inv_freq), each `[rope_head_dim // 2]`."""
+    return (inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
+            inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn))
+
+
+def cos_sin(positions: jnp.ndarray, freqs: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin `[..., rope/2]` (float32) of the angles `positions * freqs`, rounded to fp32 first."""
+    angles = positions.astype(jnp.float32)[..., None] * freqs.astype(jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool = False) -> jnp.ndarray:
+    """Rotates the last `2 * cos.shape[-1]` dims of `x` as complex pairs (x[2i], x[2i+1]).
+
+    x `[..., D]`; cos/sin broadcastable to `[..., rope/2]`. Computed in fp32, returned in x's
+    dtype; the leading (nope) dims pass through untouched. `inverse` multiplies by the conjugate.
+    """
+    half = cos.shape[-1]
+    nope, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    pairs = rope.astype(jnp.float32).reshape(*rope.shape[:-1], half, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    if inverse:
+        sin = -sin
+    out_re = re * cos - im * sin
+    out_im = im * cos + re * sin
+    rotated = jnp.stack([out_re, out_im], axis=-1).reshape(rope.shape).astype(x.dtype)
+    return jnp.concatenate([nope, rotated], axis=-1)

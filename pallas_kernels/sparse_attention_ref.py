@@ -1,0 +1,33 @@
+"""Plain-JAX reference of the sparse-gather attention with a per-head sink.
+
+Each query attends to the kv rows its index row names (window slots and compressed entries
+alike; K = V, one shared head). The sink is an extra logit per head that enters only the
+softmax denominator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray, *,
+                         scale: float) -> jnp.ndarray:
+    """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
+    sink fp32 `[H]`. Returns `[B, T, H, D]` in q's dtype:
+
+        o_h = sum_s exp(l_s - m) kv_s / (sum_s exp(l_s - m) + exp(sink_h - m)),  l_s = scale q_h.kv_s
+
+    with the softmax and accumulation in fp32; a row with no valid key gives 0.
+    """
+    valid = indices >= 0
+    rows = jnp.take_along_axis(kv[:, None, :, :], jnp.where(valid, indices, 0)[..., None], axis=2)
+    rows = rows.astype(jnp.float32)  # [B, T, K, D]
+    logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), rows) * scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    sink = sink.astype(jnp.float32)[None, None, :, None]
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
+    out = jnp.einsum("bthk,btkd->bthd", p / denom, rows)
+    return out.astype(q.dtype)
