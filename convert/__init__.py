@@ -2,6 +2,6 @@
 
 from .names import checkpoint_layout, is_mtp, official_name
 from .load_hf import read_hf_checkpoint
-from .safetensors_reader import CheckpointError
+from .safetensors_io import CheckpointError
 
 __all__ = ["CheckpointError", "checkpoint_layout", "is_mtp", "official_name", "read_hf_checkpoint"]

@@ -12,7 +12,7 @@ from dsv4_jax.config import ModelConfig
 from dsv4_jax.params import INT, is_spec_leaf, leaf_dtype, map_spec, param_spec
 
 from .names import checkpoint_layout, is_mtp, official_name
-from .safetensors_reader import CheckpointError, iter_tensors
+from .safetensors_io import CheckpointError, iter_tensors
 
 log = logging.getLogger("dsv4_jax")
 

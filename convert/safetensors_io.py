@@ -87,17 +87,37 @@ def checkpoint_files(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in files]
 
 
+def iter_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (name, array) for every tensor of one safetensors file, in file order. Arrays
+    are views of a memory map, so only the tensor in hand is read."""
+    header, data_start = _header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        yield name, mm[data_start + begin: data_start + end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
 def iter_tensors(directory: str) -> Iterator[tuple[str, np.ndarray, str]]:
-    """Yields (name, array, file) for every tensor; arrays are read one at a time from a memory
-    map, so only the tensor in hand is resident."""
+    """Yields (name, array, file) for every tensor of a checkpoint directory."""
     for path in checkpoint_files(directory):
-        header, data_start = _header(path)
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        try:
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                begin, end = info["data_offsets"]
-                buf = mm[data_start + begin: data_start + end]
-                arr = buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
-                yield name, arr, path
-        finally:
-            del mm
+        for name, arr in iter_file(path):
+            yield name, arr, path
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes tensors (numpy / ml_dtypes arrays) as one safetensors file."""
+    names = {np.dtype(v): k for k, v in DTYPES.items()}
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, arr in tensors.items():
+        dt = np.dtype(arr.dtype)
+        if dt not in names:
+            raise CheckpointError(f"tensor {name!r}: dtype {dt} cannot be stored in safetensors")
+        header[name] = {"dtype": names[dt], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())

@@ -1,0 +1,135 @@
+"""dsv4_jax.load: both namings, sharded checkpoints, mtp tensors, and the errors on bad input."""
+
+import json
+import logging
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsv4_jax
+from convert import CheckpointError, checkpoint_layout, official_name
+from convert.export_hf import write_hf_checkpoint
+from convert.safetensors_io import iter_file, write_safetensors
+from hf_oracle import TINY
+
+CFG = dsv4_jax.ModelConfig.from_hf(TINY)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return dsv4_jax.init_params(CFG, seed=5)
+
+
+@pytest.fixture()
+def ckpt(tmp_path, params):
+    write_hf_checkpoint(params, CFG, str(tmp_path), num_shards=3, dtype=np.float32)
+    return tmp_path
+
+
+def _rewrite(ckpt, fn):
+    """Applies fn(dict of tensors) -> dict to every shard, keeping the index consistent."""
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    new_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = {n: np.array(a) for n, a in iter_file(str(ckpt / shard))}
+        tensors = fn(shard, tensors)
+        write_safetensors(str(ckpt / shard), tensors)
+        new_map.update({n: shard for n in tensors})
+    index_path.write_text(json.dumps({"weight_map": new_map}))
+
+
+def test_official_naming_sharded_roundtrip(ckpt, params):
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) == 3
+    model = dsv4_jax.load(ckpt)
+    for path in (("embed",), ("layers", "ffn", "w2"), ("csa", "indexer", "compressor", "ape"), ("tid2eid",),
+                 ("gate_bias",), ("hca", "compressor", "wkv"), ("layers", "attn", "sink")):
+        a, b = params, model.params
+        for k in path:
+            a, b = a[k], b[k]
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_bf16_load(tmp_path, params):
+    write_hf_checkpoint(params, CFG, str(tmp_path), dtype=ml_dtypes.bfloat16)
+    model = dsv4_jax.load(tmp_path, dtype=jnp.bfloat16)
+    assert model.params["layers"]["ffn"]["w1"].dtype == jnp.bfloat16
+    assert model.params["layers"]["hc_ffn"]["fn"].dtype == jnp.float32  # stored fp32, kept fp32
+    assert model.params["tid2eid"].dtype == jnp.int32
+    out = model(np.arange(12).reshape(1, 12) % CFG.vocab_size)
+    assert out.dtype == jnp.float32 and out.shape == (1, 12, CFG.vocab_size)
+
+
+def test_hybrid_naming_loads_the_same(ckpt, params):
+    to_hybrid = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                 "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+                 "hc_head_scale": "model.hc_head.hc_scale", "head.weight": "head.weight"}
+
+    def rename(name):
+        if name in to_hybrid:
+            return to_hybrid[name]
+        return "model." + name.replace(".attn.kv_norm.weight", ".attn.norm.weight")
+
+    for n in checkpoint_layout(CFG):
+        assert official_name(rename(n)) == n
+    _rewrite(ckpt, lambda shard, t: {rename(n): a for n, a in t.items()})
+    ids = np.arange(20).reshape(1, 20)
+    np.testing.assert_array_equal(np.asarray(dsv4_jax.load(ckpt)(ids)),
+                                  np.asarray(dsv4_jax.Model(params, CFG)(ids)))
+
+
+def test_mtp_tensors_are_recognised(ckpt, caplog):
+    extra = {"mtp.0.enorm.weight": np.ones(CFG.hidden_size, np.float32),
+             "mtp.0.e_proj.weight": np.ones((CFG.hidden_size, CFG.hidden_size), np.float32)}
+    _rewrite(ckpt, lambda shard, t: {**t, **extra} if shard.startswith("model-00001") else t)
+    with caplog.at_level(logging.INFO, logger="dsv4_jax"):
+        dsv4_jax.load(ckpt)
+    assert "2 mtp.* tensors" in caplog.text
+
+
+def test_missing_tensor(ckpt):
+    _rewrite(ckpt, lambda s, t: {n: a for n, a in t.items() if n != "layers.3.attn.indexer.wq_b.weight"})
+    with pytest.raises(CheckpointError, match=r"missing tensors \['layers.3.attn.indexer.wq_b.weight'\]"):
+        dsv4_jax.load(ckpt)
+
+
+def test_unexpected_tensor(ckpt):
+    _rewrite(ckpt, lambda s, t: {**t, "layers.0.attn.compressor.ape": np.zeros((4, 64), np.float32)}
+             if s.startswith("model-00001") else t)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers.0.attn.compressor.ape'"):
+        dsv4_jax.load(ckpt)
+
+
+def test_misshapen_tensor(ckpt):
+    def shrink(s, t):
+        if "layers.2.attn.compressor.wkv.weight" in t:
+            t["layers.2.attn.compressor.wkv.weight"] = t["layers.2.attn.compressor.wkv.weight"][:-1]
+        return t
+    _rewrite(ckpt, shrink)
+    with pytest.raises(CheckpointError, match=r"'layers.2.attn.compressor.wkv.weight' has shape \[31, 32\], "
+                                              r"the config expects \[32, 32\]"):
+        dsv4_jax.load(ckpt)
+
+
+def test_truncated_and_missing_shard(ckpt):
+    shard = ckpt / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: truncated file"):
+        dsv4_jax.load(ckpt)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing shard model-00002-of-00003.safetensors"):
+        dsv4_jax.load(ckpt)
+
+
+def test_quantized_tensors_point_to_the_converter(ckpt):
+    def quantize(s, t):
+        if "layers.0.attn.wq_a.weight" in t:
+            t["layers.0.attn.wq_a.weight"] = t["layers.0.attn.wq_a.weight"].astype(ml_dtypes.float8_e4m3fn)
+        return t
+    _rewrite(ckpt, quantize)
+    with pytest.raises(CheckpointError, match="quantized.*dsv4-convert"):
+        dsv4_jax.load(ckpt)
