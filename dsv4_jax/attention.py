@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import compress_ref, sparse_attention_ref
+import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
 from .config import CSA, ModelConfig
 from .indexer import indexer_scores, select_topk
@@ -67,7 +67,7 @@ def compress_blocks(cp: dict, x: jnp.ndarray, ratio: int, freqs: jnp.ndarray, cf
     z = dense(xf, cp["wgate"].astype(jnp.float32)) + jnp.tile(cp["ape"].astype(jnp.float32), (n, 1))
     cos, sin = cos_sin(jnp.arange(n) * ratio, freqs)
     cos, sin = jnp.broadcast_to(cos, (B,) + cos.shape), jnp.broadcast_to(sin, (B,) + sin.shape)
-    return compress_ref(a, z, cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps, out_dtype=x.dtype)
+    return pallas_kernels.compress_ref(a, z, cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps, out_dtype=x.dtype)
 
 
 def indexer_topk(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
@@ -90,4 +90,4 @@ def indexer_topk(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, s
 def attend(q: jnp.ndarray, kv_rows: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray,
            cfg: ModelConfig) -> jnp.ndarray:
     """Sparse attention of q `[B, S, H, Dh]` over the kv rows named by indices `[B, S, K]`."""
-    return sparse_attention_ref(q, kv_rows, indices, sink, scale=cfg.head_dim ** -0.5)
+    return pallas_kernels.sparse_attention_ref(q, kv_rows, indices, sink, scale=cfg.head_dim ** -0.5)

@@ -17,9 +17,10 @@ def router_scores(x: jnp.ndarray, gate: jnp.ndarray) -> jnp.ndarray:
 
 
 def route(scores: jnp.ndarray, experts: jnp.ndarray, scale: float) -> jnp.ndarray:
-    """Weights of the chosen experts `[T, k]`: unbiased scores, renormalised, times scale."""
+    """Weights of the chosen experts `[T, k]`: unbiased scores, renormalised, times scale.
+    The 1e-20 keeps all-underflowed scores at weight 0 instead of NaN."""
     w = jnp.take_along_axis(scores, experts, axis=-1)
-    return w / jnp.sum(w, axis=-1, keepdims=True) * scale
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * scale
 
 
 def learned_choice(scores: jnp.ndarray, bias: jnp.ndarray, k: int) -> jnp.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,10 +16,16 @@ from .config import ModelConfig, Yarn
 
 
 def inv_freq(rope_dim: int, base: float, yarn: Yarn | None) -> np.ndarray:
-    """Inverse frequencies `[rope_dim // 2]` in float32, one per interleaved pair."""
-    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
-    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
-    extrapolation = np.float32(1.0) / pos_freqs
+    """Inverse frequencies `[rope_dim // 2]` in float32, one per interleaved pair.
+
+    Bit-identical to torch's float32 computation: `base ** (2i / d)` comes from XLA's CPU pow
+    (numpy's float32 pow rounds some Flash pairs differently by 1 ulp, an angle error that grows
+    with position); the rest are correctly rounded float32 operations in the reference's order."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        exponents = jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / jnp.float32(rope_dim)
+        pos_freqs = np.asarray(jnp.power(jnp.float32(base), exponents))
+    one = np.float32(1)
+    extrapolation = one / pos_freqs
     if yarn is None:
         return extrapolation
 
@@ -31,9 +38,9 @@ def inv_freq(rope_dim: int, base: float, yarn: Yarn | None) -> np.ndarray:
     if low == high:
         high += 0.001  # the ramp would divide by zero
     ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    keep = (np.float32(1) - ramp).astype(np.float32)  # 1: original frequency, 0: divided by factor
-    interpolation = np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)
-    return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32)
+    keep = one - ramp  # 1: the original frequency, 0: divided by the factor
+    interpolation = one / (np.float32(yarn.factor) * pos_freqs)
+    return (interpolation * (one - keep) + extrapolation * keep).astype(np.float32)
 
 
 def layer_inv_freqs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

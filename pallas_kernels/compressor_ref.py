@@ -32,6 +32,8 @@ def compress_ref(a: jnp.ndarray, z: jnp.ndarray, norm_weight: jnp.ndarray, cos: 
     n = length // ratio
     overlap = ratio == 4
     d = c // 2 if overlap else c
+    if n == 0:
+        return jnp.zeros((b, 0, d), out_dtype)
     a = a.astype(jnp.float32).reshape(b, n, ratio, c)
     z = z.astype(jnp.float32).reshape(b, n, ratio, c)
     if overlap:
