@@ -121,3 +121,48 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         f.write(raw)
         for arr in tensors.values():
             f.write(np.ascontiguousarray(arr).tobytes())
+
+
+class TensorEntry(tuple):
+    """(file path, byte offset of the data section, header info) of one tensor."""
+
+    @property
+    def path(self) -> str:
+        return self[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self[2]["shape"])
+
+    @property
+    def dtype(self) -> str:
+        return self[2]["dtype"]
+
+    @property
+    def nbytes(self) -> int:
+        begin, end = self[2]["data_offsets"]
+        return end - begin
+
+
+def scan_checkpoint(directory: str) -> dict[str, TensorEntry]:
+    """Reads every shard's header (no tensor data): name -> TensorEntry, in file/offset order.
+    A tensor present in two shards is an error naming it."""
+    out: dict[str, TensorEntry] = {}
+    for path in checkpoint_files(directory):
+        header, data_start = _header(path)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if name in out:
+                raise CheckpointError(f"{path}: tensor {name!r} appears twice in the checkpoint "
+                                      f"(also in {os.path.basename(out[name].path)})")
+            out[name] = TensorEntry((path, data_start, info))
+    return out
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """The tensor's data as a read-only view of a memory map (read from disk on access)."""
+    path, data_start, info = entry
+    begin, end = info["data_offsets"]
+    if end == begin:
+        return np.empty(info["shape"], DTYPES[info["dtype"]])
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,))
+    return mm.view(DTYPES[info["dtype"]]).reshape(info["shape"])

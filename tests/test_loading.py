@@ -125,11 +125,28 @@ def test_truncated_and_missing_shard(ckpt):
         dsv4_jax.load(ckpt)
 
 
-def test_quantized_tensors_point_to_the_converter(ckpt):
+def test_quantized_weight_without_scale_is_an_error(ckpt):
     def quantize(s, t):
         if "layers.0.attn.wq_a.weight" in t:
             t["layers.0.attn.wq_a.weight"] = t["layers.0.attn.wq_a.weight"].astype(ml_dtypes.float8_e4m3fn)
         return t
     _rewrite(ckpt, quantize)
-    with pytest.raises(CheckpointError, match="quantized.*dsv4-convert"):
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.0.attn.wq_a.weight' is quantized \(F8_E4M3\) "
+                                              r"but has no scale tensor"):
         dsv4_jax.load(ckpt)
+
+
+def test_fp8_weight_with_scale_in_another_shard_loads(ckpt, params):
+    from convert.quant import dequantize_fp8, quantize_fp8
+
+    q, sc = quantize_fp8(np.asarray(params["layers"]["attn"]["wq_a"][0], np.float32))
+
+    def quantize(s, t):
+        if "layers.0.attn.wq_a.weight" in t:
+            t["layers.0.attn.wq_a.weight"] = q
+        if s.startswith("model-00003"):
+            t["layers.0.attn.wq_a.weight_scale_inv"] = sc  # the vLLM / HF-quantizer naming
+        return t
+    _rewrite(ckpt, quantize)
+    model = dsv4_jax.load(ckpt)
+    np.testing.assert_array_equal(np.asarray(model.params["layers"]["attn"]["wq_a"][0]), dequantize_fp8(q, sc))
