@@ -12,6 +12,7 @@ import numpy as np
 
 from dsv4_jax.config import ModelConfig
 
+from . import quant
 from .names import checkpoint_layout
 from .safetensors_io import write_safetensors
 
@@ -47,10 +48,17 @@ def official_config(cfg: ModelConfig) -> dict:
     return d
 
 
+# Linears the published checkpoints store in FP8 (128x128 block scales); routed experts are FP4.
+FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
 def write_hf_checkpoint(params: dict, cfg: ModelConfig, directory: str, *, num_shards: int = 1,
-                        dtype=ml_dtypes.bfloat16) -> None:
+                        dtype=ml_dtypes.bfloat16, quantize: bool = False) -> None:
     """Writes params under their official names; float weights in `dtype`, except the tensors
-    the published checkpoints keep in fp32 (hc_*, attn_sink, ape, gate.bias)."""
+    the published checkpoints keep in fp32 (hc_*, attn_sink, ape, gate.bias). With quantize,
+    as the published checkpoints store them: FP8 e4m3 linears with E8M0 `.scale` per 128x128
+    block, FP4 e2m1 routed experts packed two per byte with E8M0 scales per 32 inputs."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(official_config(cfg), f, indent=2)
@@ -60,8 +68,13 @@ def write_hf_checkpoint(params: dict, cfg: ModelConfig, directory: str, *, num_s
         for k in path:
             leaf = leaf[k]
         arr = np.asarray(leaf[index] if index else leaf)
+        base = name[: -len(".weight")]
         if arr.dtype.kind in "iu":
             arr = arr.astype(np.int64)
+        elif quantize and any(name.endswith(f".{leaf}.weight") for leaf in FP8_LINEARS):
+            arr, tensors[base + ".scale"] = quant.quantize_fp8(arr.astype(np.float32))
+        elif quantize and ".ffn.experts." in name:
+            arr, tensors[base + ".scale"] = quant.quantize_fp4(arr.astype(np.float32))
         elif name.rsplit(".", 1)[-1] in ("attn_sink", "ape", "bias") or name.rsplit(".", 1)[-1].startswith("hc_"):
             arr = arr.astype(np.float32)
         else:

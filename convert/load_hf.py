@@ -146,11 +146,15 @@ def dequantized_shape(name: str, entries) -> tuple[int, ...]:
 
 
 def source_kind(name: str, entries) -> str:
-    """"fp8", "fp4", or the stored dtype name ("BF16", "F32", ...) of a checked tensor."""
+    """"fp8" (E8M0 scales), "fp8:float-scale", "fp4", or the stored dtype name ("BF16", "F32", ...)
+    of a checked tensor."""
     e = entries[name]
-    if scale_name_of(name, entries) is None:
+    sname = scale_name_of(name, entries)
+    if sname is None:
         return e.dtype
-    return "fp8" if e.dtype == "F8_E4M3" else "fp4"
+    if e.dtype == "I8":
+        return "fp4"
+    return "fp8" if entries[sname].dtype == "F8_E8M0" else "fp8:float-scale"
 
 
 def tensor_nbytes(name: str, entries) -> int:

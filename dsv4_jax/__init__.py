@@ -1,8 +1,11 @@
 """DeepSeek-V4 inference in JAX."""
 
+from .cache import cache_bytes, init_cache
 from .config import ConfigError, ModelConfig, Yarn
+from .generate import GenerateOutput, generate
 from .loading import load
 from .model import Model, forward
 from .params import init_params, param_spec
 
-__all__ = ["ConfigError", "Model", "ModelConfig", "Yarn", "forward", "init_params", "load", "param_spec"]
+__all__ = ["ConfigError", "GenerateOutput", "Model", "ModelConfig", "Yarn", "cache_bytes", "forward", "generate",
+           "init_cache", "init_params", "load", "param_spec"]

@@ -1,13 +1,20 @@
-"""Attention of one layer: the query / shared K=V paths, the per-kind key sets, and the output.
+"""Attention of one layer over a chunk of T tokens at positions p0 .. p0+T-1, given the cache.
 
-Every layer attends to a sliding window of `sliding_window` keys (the token itself included).
-Ratio-4 layers add the indexer's top-k compressed entries, ratio-128 layers all visible
-compressed entries. The keys of a query are one index row into `kv_rows` (window rows first,
-then compressed entries), fed to one sparse attention with the per-head sink.
+Every layer attends to a sliding window of `sliding_window` keys (the token itself included):
+cached ring rows for positions before p0, the chunk's own rows after. Ratio-4 layers add the
+indexer's top-k compressed entries, ratio-128 layers every visible compressed entry. Entry j
+(pooled from block j, plus block j-1 with overlap) is visible to the query at t iff
+j < (t + 1) // ratio, so a block's entry is visible from the token that completes it. Entries
+completed inside the chunk are computed here and attended to directly (the cache is only read);
+the caller stores them afterwards.
+
+A query's keys are one index row into `kv_rows` = [ring (W rows) | chunk (T rows) | compressed
+rows], fed to one sparse attention with the per-head sink.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
@@ -20,7 +27,7 @@ from .rope import apply_rope, cos_sin
 
 
 def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
-    """x `[B, S, D]` -> (q `[B, S, H, Dh]`, q latent `[B, S, Q]`).
+    """x `[B, T, D]` -> (q `[B, T, H, Dh]`, q latent `[B, T, Q]`).
 
     q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), rope on its last dims."""
     c_q = rms_norm(dense(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps)
@@ -30,64 +37,121 @@ def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mode
 
 
 def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """x `[B, S, D]` -> the shared K=V row `[B, S, Dh]`: kv_norm(wkv x), rope on its last dims."""
+    """x `[B, T, D]` -> the shared K=V row `[B, T, Dh]`: kv_norm(wkv x), rope on its last dims."""
     kv = rms_norm(dense(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps)
     return apply_rope(kv, cos, sin)
 
 
 def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """o `[B, S, H, Dh]` -> `[B, S, D]`: inverse rope at the query position, then the grouped
+    """o `[B, T, H, Dh]` -> `[B, T, D]`: inverse rope at the query position, then the grouped
     low-rank projection (wo_a per group of H/G heads, then wo_b)."""
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    B, S = o.shape[:2]
+    B, T = o.shape[:2]
     G = cfg.o_groups
-    o = o.reshape(B, S, G, -1)
+    o = o.reshape(B, T, G, -1)
     wo_a = p["wo_a"].reshape(G, cfg.o_lora_rank, -1)
-    z = jnp.einsum("bsgd,grd->bsgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
-    z = z.astype(wo_a.dtype).reshape(B, S, -1)
+    z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
+    z = z.astype(wo_a.dtype).reshape(B, T, -1)
     return dense(z, p["wo_b"])
 
 
-def window_indices(seq_len: int, window: int) -> jnp.ndarray:
-    """`[S, min(S, window)]` int32: for query t the positions t-w+1..t, oldest first, -1 before 0."""
-    w = min(seq_len, window)
-    idx = jnp.arange(seq_len, dtype=jnp.int32)[:, None] - (w - 1) + jnp.arange(w, dtype=jnp.int32)[None, :]
-    return jnp.where(idx >= 0, idx, -1)
+def window_indices(p0: jnp.ndarray, T: int, window: int) -> jnp.ndarray:
+    """`[T, W]` int32 indices into [ring (W rows) | chunk (T rows)]: for the query at p0 + i the
+    positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot s % W, from p0 on the chunk
+    row s - p0; -1 before position 0."""
+    s = p0 + jnp.arange(T, dtype=jnp.int32)[:, None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, :]
+    idx = jnp.where(s < p0, s % window, window + s - p0)
+    return jnp.where(s >= 0, idx, -1)
 
 
-def compress_blocks(cp: dict, x: jnp.ndarray, ratio: int, freqs: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Every complete block of x `[B, S, D]` -> compressed entries `[B, S // ratio, d]` (x's dtype).
+def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
+                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig):
+    """Runs a compressor over the chunk x `[B, T, D]` at positions p0.. with its carried state.
 
-    The projections run in fp32 on the fp32 input; `ape` is added by in-block position; entry j
-    is rotated at position j * ratio."""
-    B, S, _ = x.shape
-    n = S // ratio
-    xf = x[:, : n * ratio].astype(jnp.float32)
+    state_a/z fp32 `[B, coff * ratio, C]` (coff = 2 with overlap): the projections of positions
+    base .. p0-1, base = (p0 // ratio - coff + 1) * ratio (rows from p0 on are don't-cares).
+    Returns (entries `[B, n, d]` for entries p0 // ratio + i, i < n = (T + ratio - 1) // ratio,
+    zero where i >= n_new; n_new, the number of blocks the chunk completes; the new state).
+    """
+    B, T, _ = x.shape
+    coff = 2 if ratio == CSA else 1
+    n = (T + ratio - 1) // ratio
+    xf = x.astype(jnp.float32)
+    pos = p0 + jnp.arange(T, dtype=jnp.int32)
     a = dense(xf, cp["wkv"].astype(jnp.float32))
-    z = dense(xf, cp["wgate"].astype(jnp.float32)) + jnp.tile(cp["ape"].astype(jnp.float32), (n, 1))
-    cos, sin = cos_sin(jnp.arange(n) * ratio, freqs)
+    z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
+    # A span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk.
+    span = (coff + n) * ratio
+    c = a.shape[-1]
+    span_a = jnp.zeros((B, span, c), jnp.float32).at[:, : coff * ratio].set(state_a)
+    span_z = jnp.full((B, span, c), -jnp.inf, jnp.float32).at[:, : coff * ratio].set(state_z)
+    offset = (coff - 1) * ratio + p0 % ratio
+    span_a = jax.lax.dynamic_update_slice_in_dim(span_a, a, offset, axis=1)
+    span_z = jax.lax.dynamic_update_slice_in_dim(span_z, z, offset, axis=1)
+
+    first = p0 // ratio
+    n_new = (p0 + T) // ratio - first
+    blocks = slice((coff - 1) * ratio, (coff - 1 + n) * ratio)
+    prev = slice(0, ratio) if coff == 2 else None
+    cos, sin = cos_sin((first + jnp.arange(n)) * ratio, freqs)
     cos, sin = jnp.broadcast_to(cos, (B,) + cos.shape), jnp.broadcast_to(sin, (B,) + sin.shape)
-    return pallas_kernels.compress_ref(a, z, cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps, out_dtype=x.dtype)
+    entries = pallas_kernels.compress(
+        span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
+        prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
+        out_dtype=x.dtype, impl=cfg.attention_impl)
+    entries = jnp.where((jnp.arange(n) < n_new)[None, :, None], entries, 0)  # incomplete blocks are NaN
+    new_a = jax.lax.dynamic_slice_in_dim(span_a, n_new * ratio, coff * ratio, axis=1)
+    new_z = jax.lax.dynamic_slice_in_dim(span_z, n_new * ratio, coff * ratio, axis=1)
+    return entries, n_new, new_a, new_z
 
 
-def indexer_topk(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
-                 freqs: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Top-min(index_topk, S // 4) compressed entries per query of a whole sequence.
+def entry_rows(ids: jnp.ndarray, first_new: jnp.ndarray, offset: int, pool_len: int) -> jnp.ndarray:
+    """Maps absolute entry ids (-1: none) to rows of [... (offset rows) | pool | new entries]:
+    entries before `first_new` live in the pool, later ones among the new entries."""
+    rows = jnp.where(ids < first_new, offset + ids, offset + pool_len + ids - first_new)
+    return jnp.where(ids >= 0, rows, -1)
 
-    x `[B, S, D]`, c_q `[B, S, Q]`, cos/sin `[S, rope/2]` at the query positions.
-    Returns int32 `[B, S, K]` entry ids, -1 where fewer entries are visible."""
-    B, S, _ = x.shape
-    keys = compress_blocks(ip["compressor"], x, CSA, freqs, cfg)
-    n = keys.shape[1]
-    q = dense(c_q, ip["wq_b"]).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+
+def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
+    """`[T]` number of entries visible to each query of the chunk."""
+    return (p0 + jnp.arange(T, dtype=jnp.int32) + 1) // ratio
+
+
+def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
+                   keys_pool: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
+                   freqs: jnp.ndarray, cfg: ModelConfig):
+    """The indexer's top-min(index_topk, pool rows) absolute entry ids for each query of the chunk.
+
+    x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[T, rope/2]` at the query positions, keys_pool
+    `[B, P, dI]` the cached keys. Returns (ids int32 `[B, T, K]`, -1 where fewer are visible;
+    the chunk's new keys, their count and the new compressor state, as compress_chunk)."""
+    B, T, _ = x.shape
+    new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg)
+    q = dense(c_q, ip["wq_b"]).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-    scores = indexer_scores(q, keys, w)
-    n_visible = jnp.broadcast_to((jnp.arange(S, dtype=jnp.int32) + 1) // CSA, (B, S))
-    return select_topk(scores, n_visible, min(cfg.index_topk, n))
+    P = keys_pool.shape[1]
+    # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
+    scores = jnp.concatenate([indexer_scores(q, keys_pool, w),
+                              jnp.zeros((B, T, new_keys.shape[1]), jnp.float32)], axis=-1)
+    scores = jax.lax.dynamic_update_slice_in_dim(scores, indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
+    n_visible = jnp.broadcast_to(visible_entries(p0, T, CSA), (B, T))
+    ids = select_topk(scores, n_visible, min(cfg.index_topk, P))
+    return ids, new_keys, n_new, new_a, new_z
+
+
+def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
+    """Mean over queries (with a non-empty own selection) of the fraction of `own` entry ids
+    `[B, T, K]` that `reused` `[B, T, K]` contains (-1: none)."""
+    hit = jnp.any((own[..., :, None] == reused[..., None, :]) & (reused[..., None, :] >= 0), axis=-1)
+    n_own = jnp.sum(own >= 0, axis=-1)
+    frac = jnp.sum(hit & (own >= 0), axis=-1) / jnp.maximum(n_own, 1)
+    has = n_own > 0
+    return jnp.sum(jnp.where(has, frac, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 
 
 def attend(q: jnp.ndarray, kv_rows: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray,
            cfg: ModelConfig) -> jnp.ndarray:
-    """Sparse attention of q `[B, S, H, Dh]` over the kv rows named by indices `[B, S, K]`."""
-    return pallas_kernels.sparse_attention_ref(q, kv_rows, indices, sink, scale=cfg.head_dim ** -0.5)
+    """Sparse attention of q `[B, T, H, Dh]` over the kv rows named by indices `[B, T, K]`."""
+    return pallas_kernels.sparse_attention(q, kv_rows, indices, sink, scale=cfg.head_dim ** -0.5,
+                                           impl=cfg.attention_impl)

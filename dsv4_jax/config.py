@@ -77,6 +77,18 @@ class ModelConfig:
     max_position_embeddings: int = 1048576
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
+    # How the compressor and the sparse attention run: "pallas" (the kernels; interpreted on
+    # CPU), "ref" (plain JAX) or "auto" (kernels on TPU/GPU, plain JAX elsewhere).
+    attention_impl: str = "auto"
+    # IndexCache (index-cache.md): ratio-4 layers of rank r among ratio-4 layers reuse the last
+    # computed top-k when r % index_topk_freq != 0, or where index_topk_pattern (one F/S per
+    # ratio-4 layer, first F; layers past its end compute) says S. With
+    # index_cache_skip_compressor a reusing layer also skips its indexer's compressor and has
+    # no indexer key cache.
+    use_index_cache: bool = False
+    index_topk_freq: int = 1
+    index_topk_pattern: str | None = None
+    index_cache_skip_compressor: bool = False
 
     def __post_init__(self):
         _validate(self)
@@ -295,6 +307,10 @@ def _from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
         max_position_embeddings=_require(raw, "max_position_embeddings", default=1048576),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_id=eos,
+        use_index_cache=raw.get("use_index_cache", False),
+        index_topk_freq=_require(raw, "index_topk_freq", default=1),
+        index_topk_pattern=raw.get("index_topk_pattern"),
+        index_cache_skip_compressor=raw.get("index_cache_skip_compressor", False),
     )
 
 
@@ -331,6 +347,21 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"`{name}` must be a positive number, got {v!r}")
     if not (isinstance(c.swiglu_limit, (int, float)) and c.swiglu_limit >= 0):
         raise ConfigError(f"`swiglu_limit` must be >= 0, got {c.swiglu_limit!r}")
+    for name in ("use_index_cache", "index_cache_skip_compressor"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"`{name}` must be true or false, got {getattr(c, name)!r}")
+    if isinstance(c.index_topk_freq, bool) or not isinstance(c.index_topk_freq, int) or c.index_topk_freq < 1:
+        raise ConfigError(f"`index_topk_freq` must be an integer >= 1, got {c.index_topk_freq!r}")
+    if c.index_topk_pattern is not None:
+        pat, n4 = c.index_topk_pattern, sum(r == CSA for r in c.compress_ratios)
+        if not isinstance(pat, str) or not pat or set(pat) - {"F", "S"}:
+            raise ConfigError(f"`index_topk_pattern` must be a non-empty string of F and S, got {pat!r}")
+        if pat[0] != "F":
+            raise ConfigError(f"`index_topk_pattern` must start with F (the first ratio-4 layer computes), got {pat!r}")
+        if len(pat) > n4:
+            raise ConfigError(f"`index_topk_pattern` {pat!r} has {len(pat)} entries for {n4} ratio-4 layers")
+    if c.attention_impl not in ("pallas", "ref", "auto"):
+        raise ConfigError(f"`attention_impl` must be 'pallas', 'ref' or 'auto', got {c.attention_impl!r}")
     if c.yarn is not None:
         if c.yarn.factor <= 0 or c.yarn.original_max_position_embeddings < 1:
             raise ConfigError(f"`rope_scaling` has invalid YaRN values {c.yarn}")

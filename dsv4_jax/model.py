@@ -1,9 +1,11 @@
 """The whole model: embedding, the layer stack, the hyper-connection head and the LM head.
 
 The stack is one `lax.scan` over layers. The body dispatches with `lax.switch` on the layer's
-kind (window only, ratio 4, ratio 128); each kind's own weights live in their own stack
-(`params["csa"]`, `params["hca"]`) and a layer reaches them through its kind-local index,
-carried in the scan's xs. Weights every layer has (`params["layers"]`) are scanned over.
+kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
+each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
+...) and a layer reaches them through its kind-local index, carried in the scan's xs. Weights
+every layer has (`params["layers"]`) are scanned over. The last computed indexer top-k travels
+in the scan carry.
 """
 
 from __future__ import annotations
@@ -19,34 +21,46 @@ from flax import struct
 from . import attention
 from .config import CSA, HCA, WINDOW, ModelConfig
 from .hyper_connection import hc_head, hc_post, hc_pre
+from .cache import indexer_state_layers, init_cache
+from .index_cache import index_cache_schedule
 from .linear import dense
 from .moe import learned_choice, route, routed_experts, router_scores, shared_expert
 from .norms import rms_norm
 from .rope import cos_sin, layer_inv_freqs
 
 
+BRANCHES = ("window", "csa", "csa_reuse", "hca")  # switch branches, in this order when present
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSchedule:
     """Static per-layer dispatch data derived from the config (numpy, length L each)."""
 
-    kinds: tuple[int, ...]  # the compress ratios present, in switch-branch order
-    branch: np.ndarray  # index into `kinds`
-    kind_local: np.ndarray  # index into the layer's kind stack (0 for window-only layers)
+    branches: tuple[str, ...]  # the branches present, in switch order
+    branch: np.ndarray  # index into `branches`
+    kind_local: np.ndarray  # index into the layer's kind stacks
+    index_local: np.ndarray  # index into the indexer-state stacks (out of range: the layer has none)
     compressed_rope: np.ndarray  # 1: compress theta + YaRN (ratio 4/128), 0: plain theta (window only)
     is_hash: np.ndarray  # routed through tid2eid
     route_local: np.ndarray  # index into tid2eid (hash layers) or gate_bias (learned layers)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "LayerSchedule":
-        kinds = tuple(k for k in (WINDOW, CSA, HCA) if k in cfg.compress_ratios)
         ratios = np.array(cfg.compress_ratios)
+        reusing = set(index_cache_schedule(cfg).reusing)
+        names = ["window" if r == WINDOW else "hca" if r == HCA else "csa_reuse" if i in reusing else "csa"
+                 for i, r in enumerate(ratios)]
+        branches = tuple(b for b in BRANCHES if b in names)
         local = np.zeros_like(ratios)
-        for k in (CSA, HCA):
+        for k in (WINDOW, CSA, HCA):
             local[ratios == k] = np.arange(int(np.sum(ratios == k)))
+        with_index = indexer_state_layers(cfg)
+        index_local = np.array([with_index.index(i) if i in with_index else len(with_index)
+                                for i in range(cfg.num_layers)], np.int32)
         is_hash = np.array(cfg.hash_layers, dtype=bool)
         route_local = np.where(is_hash, np.cumsum(is_hash) - 1, np.cumsum(~is_hash) - 1)
-        return cls(kinds, np.array([kinds.index(r) for r in ratios], np.int32), local.astype(np.int32),
-                   (ratios != WINDOW).astype(np.int32), is_hash, route_local.astype(np.int32))
+        return cls(branches, np.array([branches.index(n) for n in names], np.int32), local.astype(np.int32),
+                   index_local, (ratios != WINDOW).astype(np.int32), is_hash, route_local.astype(np.int32))
 
 
 def _take(tree, i):
@@ -77,40 +91,130 @@ def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, r
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
 
-def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Full-sequence forward from position 0, no cache: int `[B, S]` -> fp32 logits `[B, S, V]`."""
-    B, S = input_ids.shape
+def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
+         measure_reuse: bool = False):
+    """Runs T tokens per row through the model at positions cache["pos"] .. + T - 1.
+
+    input_ids int `[B, T]`. Returns (fp32 logits `[B, T, V]`, or `[B, 1, V]` for the last
+    position with last_only; the cache with the chunk added). Prefill (any T, chunks of any
+    size) and decode (T = 1) are the same computation; the caller keeps pos + T <= max_len.
+    With measure_reuse, IndexCache's reusing layers also compute their own top-k (not used) and
+    a third output `[L]` gives, per layer, the mean fraction of its own selection that the
+    reused one contains (NaN for layers that do not reuse).
+    """
+    B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
+    W = cfg.sliding_window
+    p0 = cache["pos"]
     window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
-    positions = jnp.arange(S)
+    positions = p0 + jnp.arange(T, dtype=jnp.int32)
     rope_tables = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)),
-                             jnp.stack(cos_sin(positions, compress_freqs))])  # [2, 2, S, rope/2]
-    window_idx = jnp.broadcast_to(attention.window_indices(S, cfg.sliding_window), (B, S, min(S, cfg.sliding_window)))
+                             jnp.stack(cos_sin(positions, compress_freqs))])  # [2, 2, T, rope/2]
+    window_idx = jnp.broadcast_to(attention.window_indices(p0, T, W), (B, T, W))
 
-    def window_branch(q, kv, x, c_q, cos, sin, local, sink):
-        return attention.attend(q, kv, window_idx, sink, cfg)
+    n_keep = min(T, W)
+    n4, n128 = (T + CSA - 1) // CSA, (T + HCA - 1) // HCA
+    groups = [g for g in ("window", "csa", "indexer", "hca") if g in cache]  # cache groups, payload order
 
-    def compressed_branch(ratio):
-        def branch(q, kv, x, c_q, cos, sin, local, sink):
-            own = _take(params["csa" if ratio == CSA else "hca"], local)
-            n = S // ratio
-            if n == 0:  # no complete block yet: window only
-                return attention.attend(q, kv, window_idx, sink, cfg)
-            entries = attention.compress_blocks(own["compressor"], x, ratio, compress_freqs, cfg)
-            if ratio == CSA:
-                chosen = attention.indexer_topk(own["indexer"], x, c_q, cos, sin, compress_freqs, cfg)
+    def nothing(group: str) -> dict:
+        """The payload of a group this branch does not write: zeros, no entry to store."""
+        c = cache[group]
+        out = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in c.items() if k.startswith("state_")}
+        if "ring" in c:
+            out["ring_rows"] = jnp.zeros((B, n_keep, cfg.head_dim), c["ring"].dtype)
+        if "pool" in c:
+            out["entries"] = jnp.zeros((B, n128 if group == "hca" else n4, c["pool"].shape[-1]), c["pool"].dtype)
+            out["n_new"] = jnp.int32(0)
+        return out
+
+    def payloads(own: dict) -> tuple:
+        return tuple(own.get(g) or nothing(g) for g in groups)
+
+    def window_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
+        ring = caches["window"]["ring"][local]
+        o = attention.attend(q, jnp.concatenate([ring, kv], axis=1), window_idx, sink, cfg)
+        return o, last_ids, payloads({"window": {"ring_rows": kv[:, T - n_keep:]}}), jnp.float32(jnp.nan)
+
+    def csa(reuse: bool):
+        def branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
+            own, c = _take(params["csa"], local), _take(caches["csa"], local)
+            entries, n_new, sa, sz = attention.compress_chunk(
+                own["compressor"], x, c["state_a"], c["state_z"], p0, CSA, compress_freqs, cfg)
+            out = {"csa": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
+                           "state_a": sa, "state_z": sz}}
+            overlap = jnp.float32(jnp.nan)
+            if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
+                ids = last_ids
+                if measure_reuse:
+                    ci = _take(caches["indexer"], index_local)
+                    own_ids = attention.indexer_select(own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"],
+                                                       ci["state_z"], p0, compress_freqs, cfg)[0]
+                    overlap = attention.selection_overlap(own_ids, ids)
+                if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
+                    ci = _take(caches["indexer"], index_local)
+                    keys, n_keys, isa, isz = attention.compress_chunk(
+                        own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], p0, CSA, compress_freqs, cfg)
+                    out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
             else:
-                chosen = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, S, n))
-                visible = chosen < ((positions + 1) // ratio)[None, :, None]
-                chosen = jnp.where(visible, chosen, -1)
-            indices = jnp.concatenate([window_idx, jnp.where(chosen >= 0, chosen + S, -1)], axis=-1)
-            return attention.attend(q, jnp.concatenate([kv, entries], axis=1), indices, sink, cfg)
+                ci = _take(caches["indexer"], index_local)
+                ids, keys, n_keys, isa, isz = attention.indexer_select(
+                    own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"], ci["state_z"], p0,
+                    compress_freqs, cfg)
+                out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+            first = p0 // CSA
+            if T == 1:  # decode: read only the selected rows of the pool
+                rows = jnp.where((ids < first)[..., None],
+                                 jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
+                                 jnp.take_along_axis(entries[:, None], jnp.clip(ids - first, 0)[..., None], axis=2))
+                kv_rows = jnp.concatenate([c["ring"], kv, rows[:, 0]], axis=1)
+                comp_idx = jnp.where(ids >= 0, W + T + jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
+            else:
+                kv_rows = jnp.concatenate([c["ring"], kv, c["pool"], entries], axis=1)
+                comp_idx = attention.entry_rows(ids, first, W + T, c["pool"].shape[1])
+            o = attention.attend(q, kv_rows, jnp.concatenate([window_idx, comp_idx], axis=-1), sink, cfg)
+            return o, ids, payloads(out), overlap
         return branch
 
-    branches = [window_branch if k == WINDOW else compressed_branch(k) for k in sched.kinds]
+    def hca_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
+        own, c = _take(params["hca"], local), _take(caches["hca"], local)
+        entries, n_new, sa, sz = attention.compress_chunk(
+            own["compressor"], x, c["state_a"], c["state_z"], p0, HCA, compress_freqs, cfg)
+        P = c["pool"].shape[1]
+        ids = jnp.arange(P, dtype=jnp.int32)
+        ids = jnp.where(ids[None, :] < attention.visible_entries(p0, T, HCA)[:, None], ids[None, :], -1)
+        comp_idx = jnp.broadcast_to(attention.entry_rows(ids, p0 // HCA, W + T, P), (B, T, P))
+        kv_rows = jnp.concatenate([c["ring"], kv, c["pool"], entries], axis=1)
+        o = attention.attend(q, kv_rows, jnp.concatenate([window_idx, comp_idx], axis=-1), sink, cfg)
+        return o, last_ids, payloads({"hca": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
+                                              "state_a": sa, "state_z": sz}}), jnp.float32(jnp.nan)
 
-    def body(h, xs):
-        layer, branch, local, compressed_rope, is_hash, route_local = xs
+    branch_of = {"window": window_branch, "csa": csa(False), "csa_reuse": csa(True), "hca": hca_branch}
+    branches = [branch_of[b] for b in sched.branches]
+    ring_slots = (p0 + T - n_keep + jnp.arange(n_keep, dtype=jnp.int32)) % W
+    ratio_of = {"window": None, "csa": CSA, "indexer": CSA, "hca": HCA}
+    # Which branches write each group (the others send zeros to an out-of-range layer).
+    writers = {"window": ("window",), "csa": ("csa", "csa_reuse"), "hca": ("hca",),
+               "indexer": ("csa",) if cfg.index_cache_skip_compressor else ("csa", "csa_reuse")}
+
+    def store(group_cache: dict, payload: dict, target, ratio) -> dict:
+        """Writes a group's payload into layer `target` of its stacks (out of range: dropped)."""
+        out = dict(group_cache)
+        if "ring" in group_cache:
+            out["ring"] = group_cache["ring"].at[target, :, ring_slots].set(
+                jnp.swapaxes(payload["ring_rows"], 0, 1), mode="drop")
+        for k in group_cache:
+            if k.startswith("state_"):
+                out[k] = group_cache[k].at[target].set(payload[k], mode="drop")
+        if ratio is not None:
+            i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)
+            rows = jnp.where(i < payload["n_new"], p0 // ratio + i, group_cache["pool"].shape[2])
+            out["pool"] = group_cache["pool"].at[target, :, rows].set(
+                jnp.swapaxes(payload["entries"], 0, 1), mode="drop")
+        return out
+
+    def body(carry, xs):
+        h, caches, last_ids = carry
+        layer, branch, local, index_local, compressed_rope, is_hash, route_local = xs
         cos, sin = rope_tables[compressed_rope]
         hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
@@ -119,23 +223,62 @@ def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarr
         a = layer["attn"]
         q, c_q = attention.query(a, x, cos, sin, cfg)
         kv = attention.key_value(a, x, cos, sin, cfg)
-        o = jax.lax.switch(branch, branches, q, kv, x, c_q, cos, sin, local, a["sink"])
+        # Branches only read the caches and return the rows to store; the writes come after the
+        # switch, unconditionally, into every group's stacks: at the layer's own index when its
+        # branch writes that group, else at an out-of-range index (dropped).
+        o, last_ids, outs, overlap = jax.lax.switch(branch, branches, q, kv, x, c_q, cos, sin, local, index_local, a["sink"],
+                                           caches, last_ids)
+        new = {}
+        for group, payload in zip(groups, outs):
+            writes = jnp.isin(branch, jnp.asarray([i for i, b in enumerate(sched.branches) if b in writers[group]]))
+            index = index_local if group == "indexer" else local
+            target = jnp.where(writes, index, caches[group][next(iter(caches[group]))].shape[0])
+            new[group] = store(caches[group], payload, target, ratio_of[group])
         h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb)
 
         u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
         x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
         h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb)
-        return h, None
+        return (h, new, last_ids), overlap
 
     x = params["embed"][input_ids]
-    h = jnp.broadcast_to(x[:, :, None, :], (B, S, cfg.hc_mult, cfg.hidden_size))
-    xs = (params["layers"], jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
+    h = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size))
+    xs = (params["layers"], jnp.asarray(sched.branch), jnp.asarray(sched.kind_local), jnp.asarray(sched.index_local),
           jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash), jnp.asarray(sched.route_local))
-    h, _ = jax.lax.scan(body, h, xs)
+    stacks = {k: v for k, v in cache.items() if k != "pos"}
+    k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
+    last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
+    (h, stacks, _), overlaps = jax.lax.scan(body, (h, stacks, last_ids), xs)
+    if last_only:
+        h = h[:, -1:]
     y = hc_head(h, params["hc_head"]["fn"], params["hc_head"]["base"], params["hc_head"]["scale"],
                 hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     y = rms_norm(y, params["norm"], cfg.rms_norm_eps)
-    return dense(y.astype(jnp.float32), params["head"].astype(jnp.float32))
+    logits = dense(y.astype(jnp.float32), params["head"].astype(jnp.float32))
+    if measure_reuse:
+        return logits, {"pos": p0 + T, **stacks}, overlaps
+    return logits, {"pos": p0 + T, **stacks}
+
+
+def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Full-sequence forward from position 0 with a fresh cache: int `[B, S]` -> fp32 logits
+    `[B, S, V]`."""
+    B, S = input_ids.shape
+    cache = init_cache(cfg, B, S, params["embed"].dtype)
+    return step(params, cache, input_ids, cfg)[0]
+
+
+RUNTIME_OPTIONS = ("attention_impl", "use_index_cache", "index_topk_freq", "index_topk_pattern",
+                   "index_cache_skip_compressor")
+
+
+def with_options(cfg: ModelConfig, **options) -> ModelConfig:
+    """cfg with run-time options replaced (None leaves one as it is); an unknown name is an error."""
+    unknown = sorted(set(options) - set(RUNTIME_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown model options {unknown}; allowed: {list(RUNTIME_OPTIONS)}")
+    changes = {k: v for k, v in options.items() if v is not None}
+    return cfg.replace(**changes) if changes else cfg
 
 
 @struct.dataclass

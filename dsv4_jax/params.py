@@ -20,6 +20,13 @@ Layout (nested dicts of arrays; `L` = main layers, per-kind stacks only hold the
 A kind's subtree is absent when no layer has that kind. Linear weights are `[out, in]`, as in the
 checkpoint. Every leaf's dtype class is one of "weight" (the model dtype), "f32" (kept in fp32
 in every mode, as the reference keeps it) or "int".
+
+Native (quantized) mode: the leaves in `NATIVE_QUANT` may instead hold a
+`dsv4_jax.quantized.QuantizedWeight` (same logical shape; FP8 for the attention / indexer /
+shared-expert linears, FP4 for the routed experts, as the published checkpoints store them). A
+leaf is quantized only where the source checkpoint stores it quantized (`dsv4-convert --dtype
+native` records which in its config.json); `attn.wo_a` always stays a float array (DeepSeek's
+own convert.py dequantizes it too).
 """
 
 from __future__ import annotations
@@ -33,6 +40,16 @@ import numpy as np
 from .config import CSA, HCA, ModelConfig
 
 WEIGHT, F32, INT = "weight", "f32", "int"
+
+# Leaves the model reaches only through `linear.dense` / `moe.routed_experts` (so they may be
+# QuantizedWeights), with the format the published checkpoints store them in.
+NATIVE_QUANT: dict[tuple[str, ...], str] = {
+    ("layers", "attn", "wq_a"): "fp8", ("layers", "attn", "wq_b"): "fp8", ("layers", "attn", "wkv"): "fp8",
+    ("layers", "attn", "wo_b"): "fp8", ("csa", "indexer", "wq_b"): "fp8",
+    ("layers", "ffn", "shared_w1"): "fp8", ("layers", "ffn", "shared_w2"): "fp8",
+    ("layers", "ffn", "shared_w3"): "fp8",
+    ("layers", "ffn", "w1"): "fp4", ("layers", "ffn", "w2"): "fp4", ("layers", "ffn", "w3"): "fp4",
+}
 
 
 def _compressor_spec(n: int, ratio: int, d: int, hidden: int) -> dict:
@@ -132,7 +149,8 @@ def map_spec(fn, spec, path=()):
 
 
 def cast_params(params: dict, cfg: ModelConfig, dtype) -> dict:
-    """Casts every "weight" leaf to dtype; fp32 and int leaves keep theirs."""
+    """Casts every "weight" leaf to dtype; fp32 and int leaves keep theirs (a QuantizedWeight
+    keeps its stored values and takes dtype as its compute dtype)."""
     return map_spec(lambda path, leaf: _get(params, path).astype(leaf_dtype(leaf[1], dtype)), param_spec(cfg))
 
 
@@ -143,4 +161,7 @@ def _get(tree, path):
 
 
 def param_count(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    """Logical parameter count (a QuantizedWeight counts its dequantized elements)."""
+    from .quantized import is_quantized
+
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params, is_leaf=is_quantized))

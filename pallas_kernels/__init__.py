@@ -1,6 +1,21 @@
-"""The two hot spots of DeepSeek-V4 attention, each with a plain-JAX reference (`*_ref`)."""
+"""The two hot spots of DeepSeek-V4 attention: Pallas kernels with a choice of implementation
+(`impl`: "pallas", "ref", "auto"), and their plain-JAX references (`*_ref`)."""
 
+from .compressor import compress
 from .compressor_ref import compress_ref
+from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["compress_ref", "sparse_attention_ref"]
+__all__ = ["compress", "compress_ref", "sparse_attention", "sparse_attention_ref"]
+
+
+def sparse_attention_mgpu_status() -> bool:
+    """Whether impl="pallas" on CUDA lowers to a Mosaic GPU kernel (else: the reference)."""
+    from .sparse_attention_mgpu import HAVE_KERNEL
+    return HAVE_KERNEL
+
+
+def compress_mgpu_status() -> bool:
+    """Whether impl="pallas" on CUDA lowers to a Mosaic GPU kernel (else: the reference)."""
+    from .compressor_mgpu import HAVE_KERNEL
+    return HAVE_KERNEL

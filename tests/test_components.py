@@ -11,6 +11,8 @@ position_bias / ape, e_score_correction_bias, hc base/scale and tid2eid included
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -36,8 +38,32 @@ CONFIGS = {"tiny": hf_oracle.TINY, "flash": hf_oracle.FLASH_SHAPED}
 
 # Jitted entry points (one XLA compile per shape instead of one per primitive keeps the file
 # fast; the model runs these functions under jit too).
-_compress_blocks = jax.jit(ours_attn.compress_blocks, static_argnums=(2, 4))
-_indexer_topk = jax.jit(ours_attn.indexer_topk, static_argnums=(6,))
+
+
+def _fresh_state(batch: int, ratio: int, width: int):
+    rows = (2 if ratio == CSA else 1) * ratio
+    return (jnp.zeros((batch, rows, width), jnp.float32), jnp.full((batch, rows, width), -jnp.inf, jnp.float32))
+
+
+@partial(jax.jit, static_argnums=(2, 4))
+def _compress_blocks(cp, x, ratio, freqs, cfg):
+    """Every complete block of a whole sequence, through the chunk compressor from position 0."""
+    B, S, _ = x.shape
+    sa, sz = _fresh_state(B, ratio, cp["wkv"].shape[0])
+    entries, _, _, _ = ours_attn.compress_chunk(cp, x, sa, sz, jnp.int32(0), ratio, freqs, cfg)
+    return entries[:, : S // ratio]
+
+
+@partial(jax.jit, static_argnums=(6,))
+def _indexer_topk(ip, x, c_q, cos, sin, freqs, cfg):
+    """The indexer's selection for a whole sequence from position 0 (an empty key pool of S // 4
+    rows, as a cache sized for this sequence has)."""
+    B, S, _ = x.shape
+    sa, sz = _fresh_state(B, CSA, ip["compressor"]["wkv"].shape[0])
+    pool = jnp.zeros((B, max(1, S // CSA), cfg.index_head_dim), x.dtype)
+    return ours_attn.indexer_select(ip, x, c_q, cos, sin, pool, sa, sz, jnp.int32(0), freqs, cfg)[0]
+
+
 _select_topk = jax.jit(select_topk, static_argnums=(2,))
 _hc_pre = jax.jit(hc_pre, static_argnames=("hc", "iters", "hc_eps", "norm_eps"))
 _routed_experts = jax.jit(routed_experts, static_argnums=(6,))
@@ -268,7 +294,7 @@ def _hook_scorer(indexer) -> tuple[dict, object]:
 @pytest.mark.parametrize("name,S", [("tiny", 16), ("tiny", 19), ("tiny", 6), ("flash", 13)])
 @torch.no_grad()
 def test_csa_compressor_and_indexer_compressor(name, S):
-    """compress_blocks (ratio 4, overlapping) vs DeepseekV4CSACompressor's compressed_kv, and the
+    """compress_chunk (ratio 4, overlapping) vs DeepseekV4CSACompressor's compressed_kv, and the
     indexer's own compressor (d = index_head_dim) vs the keys the indexer hands its scorer.
     Lengths that are multiples of 4 and not (the incomplete tail block is dropped).
 
@@ -306,7 +332,7 @@ def test_csa_compressor_and_indexer_compressor(name, S):
 @pytest.mark.parametrize("S", [256, 300])
 @torch.no_grad()
 def test_hca_compressor(S):
-    """compress_blocks (ratio 128, no overlap) vs DeepseekV4HCACompressor, S a multiple of 128
+    """compress_chunk (ratio 128, no overlap) vs DeepseekV4HCACompressor, S a multiple of 128
     and not.
 
     Tolerance: 1e-5 relative: as the CSA compressor, with a 128-way softmax pooling (observed
@@ -332,7 +358,7 @@ def test_hca_compressor(S):
 @pytest.mark.parametrize("name,S", [("tiny", 40), ("tiny", 43), ("flash", 90)])
 @torch.no_grad()
 def test_indexer_topk_sets(name, S):
-    """indexer_topk vs DeepseekV4Indexer.forward (cache=None), with S long enough that top-k is
+    """indexer_select vs DeepseekV4Indexer.forward (cache=None), with S long enough that top-k is
     smaller than the number of visible entries for the later queries.
 
     Compared: the scores (indexer_scores vs the scorer's output) on visible entries, 1e-5

@@ -473,4 +473,110 @@ def test_progress_only_on_a_tty():
         for i in range(1, 4):
             p(i, 3, i * 10**6)
     assert "3/3 tensors" in tty.getvalue() and "MB/s" in tty.getvalue()
+    p = _Progress(Tty())
+    p(1, 2, 5 * 10**6, 10 * 10**6)
+    assert "1/2 tensors  5.0 MB/10.0 MB" in p.stream.getvalue() and "ETA" in p.stream.getvalue()
     assert pipe.getvalue() == ""
+
+
+# ---- (d) --dtype native: quantized leaves kept, dequantized inside the matmuls ------------------
+
+@pytest.fixture(scope="module")
+def native(quantized, tmp_path_factory):
+    src, _, _ = quantized
+    out = tmp_path_factory.mktemp("native") / "out"
+    assert main([str(src), str(out), "--dtype", "native"]) == 0
+    return out
+
+
+def test_native_keeps_quantized_leaves(native, converted):
+    from dsv4_jax.params import NATIVE_QUANT
+    from dsv4_jax.quantized import QuantizedWeight, dequantize_tree, is_quantized
+
+    meta = json.loads((native / "config.json").read_text())
+    assert meta["dtype"] == "native"
+    assert meta["quantized"] == {".".join(p): f for p, f in NATIVE_QUANT.items()}
+    model = dsv4_jax.load(native)
+    p = model.params
+    w1, wq_b = p["layers"]["ffn"]["w1"], p["csa"]["indexer"]["wq_b"]
+    assert isinstance(w1, QuantizedWeight) and w1.fmt == "fp4" and w1.values.dtype == jnp.uint8
+    assert w1.shape == (CFG.num_layers, CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size)
+    assert isinstance(wq_b, QuantizedWeight) and wq_b.fmt == "fp8" and wq_b.values.dtype == jnp.float8_e4m3fn
+    assert not is_quantized(p["layers"]["attn"]["wo_a"]) and p["layers"]["attn"]["wo_a"].dtype == jnp.float32
+    # dequantized, every leaf equals the float32 conversion bit for bit
+    ref = dsv4_jax.load(converted).params
+    for a, b in zip(jax.tree.leaves(dequantize_tree(p)), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # leading-axis slicing as the model does it: tree.map / dynamic index, expert gather, scan
+    one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, 2, keepdims=False), p["layers"]["ffn"])
+    np.testing.assert_array_equal(np.asarray(one["w2"][jnp.array([3, 1])].dequantize()),
+                                  np.asarray(ref["layers"]["ffn"]["w2"][2][np.array([3, 1])]))
+    _, ys = jax.lax.scan(lambda c, layer: (c, layer["w3"].dequantize()[0, 0, 0]), 0, p["layers"]["ffn"])
+    np.testing.assert_array_equal(np.asarray(ys), np.asarray(ref["layers"]["ffn"]["w3"][:, 0, 0, 0]))
+    with pytest.raises(IndexError):
+        w1[0, 0, 0]
+
+
+def test_native_logits_equal_dequantized(native, converted):
+    """fp32 compute: the weights dequantize to the very float32 values the float32 conversion
+    stores (e4m3/e2m1 times a power of two is exact in fp32), and the matmuls then run on
+    identical operands, so the logits agree bit for bit (asserted within 1e-6 relative, the
+    brief's bound); bf16 compute against the bf16 conversion likewise."""
+    ids = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 40))
+    want = np.asarray(dsv4_jax.load(converted)(ids))
+    got = np.asarray(dsv4_jax.load(native)(ids))
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    np.testing.assert_array_equal(got, want)  # observed: identical
+    m16 = dsv4_jax.load(native, dtype=jnp.bfloat16)
+    assert m16.params["layers"]["ffn"]["w1"].dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(m16(ids))).all()
+
+
+def test_native_mtp_and_float_source(native, quantized, tmp_path):
+    _, ref, _ = quantized
+    mtp = load_mtp(native)
+    for n, a in mtp.items():
+        np.testing.assert_array_equal(a, ref[n], err_msg=n)
+    # a float (unquantized) source stays float in native mode, in the dtype it is stored in
+    from convert.export_hf import write_hf_checkpoint
+    from dsv4_jax.quantized import is_quantized
+
+    src = tmp_path / "f32src"
+    params = dsv4_jax.init_params(CFG, seed=3)
+    write_hf_checkpoint(params, CFG, str(src), dtype=np.float32)
+    convert(str(src), str(tmp_path / "o"), dtype="native", layers=2)
+    m = dsv4_jax.load(tmp_path / "o")
+    assert not any(is_quantized(x) for x in jax.tree.leaves(m.params, is_leaf=is_quantized))
+    np.testing.assert_array_equal(np.asarray(m.params["layers"]["ffn"]["w1"]),
+                                  np.asarray(params["layers"]["ffn"]["w1"][:2]))
+
+
+def test_conversion_streams(quantized, tmp_path, monkeypatch):
+    """The converter never builds the parameter tree: it writes each tensor as it is read."""
+    import convert.load_hf as load_hf
+    from convert.store import StoreWriter
+
+    def boom(*a, **k):
+        raise AssertionError("read_hf_checkpoint must not be used by the converter")
+
+    monkeypatch.setattr(load_hf, "read_hf_checkpoint", boom)
+    writes, biggest = [], []
+    orig = StoreWriter.write
+
+    def spy(self, name, index, arr):
+        writes.append(name)
+        biggest.append(arr.nbytes)
+        return orig(self, name, index, arr)
+
+    monkeypatch.setattr(StoreWriter, "write", spy)
+    convert(str(quantized[0]), str(tmp_path / "o"), dtype="bfloat16")
+    layout = checkpoint_layout(CFG)
+    assert len(writes) == len(layout) + 3  # one write per tensor (+ the 3 mtp tensors)
+    spec = dsv4_jax.param_spec(CFG)
+    largest_slice = 0
+    for path, index in layout.values():
+        leaf = spec
+        for k in path:
+            leaf = leaf[k]
+        largest_slice = max(largest_slice, 4 * math.prod(leaf[0][len(index):]))
+    assert max(biggest) <= largest_slice  # one tensor (one layer / expert slice) per write

@@ -1,0 +1,109 @@
+"""Decode state, grouped per layer kind like the parameters, with static shapes set by `max_len`.
+
+    pos            int32 []                 tokens already in the cache (the same for every row)
+    window (window-only layers, n of them):
+      ring         [n, B, W, Dh]            sliding-window K=V rows; position s in slot s % W
+    csa (ratio-4 layers):
+      ring         [n, B, W, Dh]
+      pool         [n, B, max_len // 4, Dh]     compressed entries, entry j in row j
+      state_a/z    [n, B, 8, 2 Dh]  fp32        projections of the previous complete block (rows 0-3)
+                                                and of the current one (rows 4-7); z includes `ape`
+    indexer (ratio-4 layers that run their indexer's compressor: all of them, or only those that
+             compute their top-k under IndexCache with index_cache_skip_compressor):
+      pool         [n, B, max_len // 4, dI]     the indexer's keys
+      state_a/z    [n, B, 8, 2 dI]  fp32
+    hca (ratio-128 layers):
+      ring         [n, B, W, Dh]
+      pool         [n, B, max_len // 128, Dh]
+      state_a/z    [n, B, 128, Dh]  fp32        projections of the current block
+
+Block states start at (0, -inf): a missing previous block gets softmax weight 0. A block's rows
+are only read once the block is complete, so rows past the current position hold don't-cares.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import CSA, HCA, WINDOW, ModelConfig
+
+
+def _state(n: int, batch: int, rows: int, width: int) -> dict:
+    return {"state_a": jnp.zeros((n, batch, rows, width), jnp.float32),
+            "state_z": jnp.full((n, batch, rows, width), -jnp.inf, jnp.float32)}
+
+
+def pool_rows(max_len: int, ratio: int) -> int:
+    """Compressed entries a cache of max_len tokens can hold (at least one row, so every array
+    has a row to gather from)."""
+    return max(1, max_len // ratio)
+
+
+def indexer_state_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """Ids of the ratio-4 layers that keep indexer keys (a reusing layer under IndexCache with
+    index_cache_skip_compressor has none)."""
+    from .index_cache import index_cache_schedule
+
+    s = index_cache_schedule(cfg)
+    return s.computing if cfg.index_cache_skip_compressor else s.csa_layers
+
+
+def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """Nested dict of (shape, dtype) with the cache's structure."""
+    Dh, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    f32 = jnp.float32
+    spec: dict = {"pos": ((), jnp.int32)}
+    n0, n4, n128 = (len(cfg.layers_of_ratio(r)) for r in (WINDOW, CSA, HCA))
+    if n0:
+        spec["window"] = {"ring": ((n0, batch, W, Dh), dtype)}
+    if n4:
+        p = pool_rows(max_len, CSA)
+        spec["csa"] = {"ring": ((n4, batch, W, Dh), dtype), "pool": ((n4, batch, p, Dh), dtype),
+                       "state_a": ((n4, batch, 8, 2 * Dh), f32), "state_z": ((n4, batch, 8, 2 * Dh), f32)}
+        ni = len(indexer_state_layers(cfg))
+        if ni:
+            spec["indexer"] = {"pool": ((ni, batch, p, dI), dtype), "state_a": ((ni, batch, 8, 2 * dI), f32),
+                               "state_z": ((ni, batch, 8, 2 * dI), f32)}
+    if n128:
+        spec["hca"] = {"ring": ((n128, batch, W, Dh), dtype), "pool": ((n128, batch, pool_rows(max_len, HCA), Dh), dtype),
+                       "state_a": ((n128, batch, HCA, Dh), f32), "state_z": ((n128, batch, HCA, Dh), f32)}
+    return spec
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    def make(name, shape, dt):
+        if name.endswith("state_z"):
+            return jnp.full(shape, -jnp.inf, dt)
+        return jnp.zeros(shape, dt)
+
+    def walk(spec):
+        return {k: make(k, *v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
+
+    return walk(cache_spec(cfg, batch, max_len, dtype))
+
+
+def cache_max_len(cache: dict, cfg: ModelConfig) -> int | None:
+    """The max_len a cache was created for, or None when it has no compressed layers."""
+    if "csa" in cache:
+        return cache["csa"]["pool"].shape[2] * CSA
+    if "hca" in cache:
+        return cache["hca"]["pool"].shape[2] * HCA
+    return None
+
+
+def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16) -> dict:
+    """Bytes of a cache per layer kind (window rings included; the indexer's keys count as
+    ratio-4): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""
+    spec = cache_spec(cfg, batch, max_len, dtype)
+
+    def size(s):
+        if isinstance(s, tuple):
+            return int(np.prod(s[0], dtype=np.int64)) * jnp.dtype(s[1]).itemsize
+        return sum(size(v) for v in s.values())
+
+    out = {kind: size(spec.get(kind, {})) for kind in ("window", "csa", "hca")}
+    out["csa"] += size(spec.get("indexer", {}))
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,161 @@
+"""IndexCache: the schedule, reuse in the stack, both compressor semantics, and bad patterns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+import hf_oracle as H
+from dsv4_jax import attention
+from dsv4_jax.cache import init_cache
+from dsv4_jax.config import ConfigError
+from dsv4_jax.index_cache import index_cache_schedule
+from dsv4_jax.model import forward, step
+from test_config import FLASH, PRO
+
+BASE = dsv4_jax.ModelConfig.from_hf(H.TINY)  # ratio-4 layers 1, 3, 6
+
+
+def test_flash_and_pro_schedules():
+    flash = index_cache_schedule(dsv4_jax.ModelConfig.from_hf(dict(FLASH, use_index_cache=True, index_topk_freq=2)))
+    assert (len(flash.csa_layers), len(flash.computing), len(flash.reusing)) == (21, 11, 10)
+    assert flash.reusing == (4, 8, 12, 16, 20, 24, 28, 32, 36, 40)
+    assert flash.to_dict()["skip_layer_ids"] == list(flash.reusing)
+    pro = index_cache_schedule(dsv4_jax.ModelConfig.from_hf(dict(PRO, use_index_cache=True, index_topk_freq=2)))
+    assert (len(pro.csa_layers), len(pro.computing), len(pro.reusing)) == (30, 15, 15)
+    assert pro.reusing == tuple(range(4, 61, 4))
+    off = index_cache_schedule(dsv4_jax.ModelConfig.from_hf(dict(FLASH, index_topk_freq=2)))
+    assert off.reusing == () and len(off.computing) == 21
+    freq4 = index_cache_schedule(dsv4_jax.ModelConfig.from_hf(dict(FLASH, use_index_cache=True, index_topk_freq=4)))
+    assert freq4.computing == (2, 10, 18, 26, 34, 42)
+
+
+def test_pattern_wins_over_frequency_and_short_patterns_compute():
+    cfg = BASE.replace(use_index_cache=True, index_topk_freq=3, index_topk_pattern="FS")
+    s = index_cache_schedule(cfg)
+    assert s.reusing == (3,) and s.computing == (1, 6)  # rank 2 is past the pattern: computes
+    assert index_cache_schedule(BASE.replace(use_index_cache=True, index_topk_pattern="FSS")).reusing == (3, 6)
+
+
+@pytest.mark.parametrize("change, msg", [
+    (dict(index_topk_pattern="FXS"), r"string of F and S, got 'FXS'"),
+    (dict(index_topk_pattern="SFF"), r"must start with F.*'SFF'"),
+    (dict(index_topk_pattern="FSSF"), r"'FSSF' has 4 entries for 3 ratio-4 layers"),
+    (dict(index_topk_pattern=""), r"non-empty string"),
+    (dict(index_topk_freq=0), r"`index_topk_freq` must be an integer >= 1, got 0"),
+    (dict(use_index_cache="yes"), r"`use_index_cache` must be true or false"),
+])
+def test_bad_settings(change, msg):
+    with pytest.raises(ConfigError, match=msg):
+        BASE.replace(**{"use_index_cache": True, **change})
+
+
+def test_settable_from_config_json_and_keywords(tmp_path):
+    cfg = dsv4_jax.ModelConfig.from_hf(dict(H.TINY, use_index_cache=True, index_topk_freq=2,
+                                            index_cache_skip_compressor=True))
+    assert cfg.use_index_cache and cfg.index_topk_freq == 2 and cfg.index_cache_skip_compressor
+    from convert.export_hf import write_hf_checkpoint
+    write_hf_checkpoint(dsv4_jax.init_params(BASE, 0), BASE, str(tmp_path))
+    m = dsv4_jax.load(tmp_path, use_index_cache=True, index_topk_pattern="FS")
+    assert index_cache_schedule(m.config).reusing == (3,)
+    with pytest.raises(TypeError, match="unknown model options"):
+        dsv4_jax.load(tmp_path, index_cache=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return dsv4_jax.init_params(BASE, seed=1, std=0.1)
+
+
+def _ids(n, batch=2, seed=0):
+    return np.random.default_rng(seed).integers(0, BASE.vocab_size, size=(batch, n)).astype(np.int32)
+
+
+def test_freq_one_equals_off(params):
+    ids = _ids(60)
+    on = np.asarray(jax.jit(forward, static_argnums=2)(params, ids, BASE.replace(use_index_cache=True)))
+    off = np.asarray(jax.jit(forward, static_argnums=2)(params, ids, BASE))
+    np.testing.assert_array_equal(on, off)
+
+
+def _attended_indices(params, cfg, ids, monkeypatch):
+    """The index rows each layer's attention received, in layer order (run eagerly)."""
+    seen = []
+    real = attention.attend
+
+    def spy(q, kv_rows, indices, sink, cfg_):
+        seen.append(np.asarray(indices))
+        return real(q, kv_rows, indices, sink, cfg_)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    with jax.disable_jit():
+        forward(params, ids, cfg)
+    return seen
+
+
+def test_reusing_layer_attends_at_the_computing_layers_entries(params, monkeypatch):
+    """Layer 3 (rank 1) reuses layer 1's (rank 0) top-k; layer 6 (rank 2) computes its own.
+    The compressed part of an index row is the window's W columns onward; the mapping from
+    entry ids to rows is the same on every ratio-4 layer, so equal rows mean equal entries."""
+    ids = _ids(48, batch=1)
+    W = BASE.sliding_window
+    on = _attended_indices(params, BASE.replace(use_index_cache=True, index_topk_freq=2), ids, monkeypatch)
+    off = _attended_indices(params, BASE, ids, monkeypatch)
+    np.testing.assert_array_equal(on[3][..., W:], on[1][..., W:])
+    np.testing.assert_array_equal(on[1], off[1])  # the computing layer is unchanged
+    assert (off[3][..., W:] != off[1][..., W:]).any()  # without reuse layer 3 would choose otherwise
+    assert (on[6][..., W:] != on[3][..., W:]).any()  # rank 2 computes again
+
+
+@pytest.mark.parametrize("skip_compressor", [False, True])
+def test_decode_equals_full_forward_with_reuse(params, skip_compressor):
+    cfg = BASE.replace(use_index_cache=True, index_topk_freq=2, index_cache_skip_compressor=skip_compressor)
+    cache = init_cache(cfg, 2, 100)
+    if skip_compressor:  # reusing layers keep no indexer keys
+        assert cache["indexer"]["pool"].shape[0] == 2
+    else:
+        assert cache["indexer"]["pool"].shape[0] == 3
+    ids = _ids(90, seed=3)
+    full = np.asarray(jax.jit(forward, static_argnums=2)(params, ids, cfg))
+    jstep = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
+    out, pos = [], 0
+    for c in (7, 30, 1, 1, 1, 2, 48):
+        logits, cache = jstep(params, cache, ids[:, pos:pos + c], cfg, False)
+        out.append(np.asarray(logits))
+        pos += c
+    out = np.concatenate(out, axis=1)
+    assert np.abs(out - full).max() <= 1e-4 * max(1.0, np.abs(full).max())
+    np.testing.assert_array_equal(out.argmax(-1), full.argmax(-1))
+    off = np.asarray(jax.jit(forward, static_argnums=2)(params, ids, BASE))
+    assert np.abs(full - off).max() > 1e-3  # reuse changed what layer 3 attends to
+
+
+def test_measured_overlap(params):
+    cfg = BASE.replace(use_index_cache=True, index_topk_freq=2)
+    logits, _, overlap = jax.jit(step, static_argnums=(3, 4, 5))(
+        params, init_cache(cfg, 2, 64), _ids(64), cfg, False, True)
+    overlap = np.asarray(overlap)
+    assert np.isnan(overlap[[0, 1, 2, 4, 5, 6]]).all()
+    assert 0.0 <= overlap[3] <= 1.0
+    same = BASE.replace(use_index_cache=True, index_topk_freq=1)
+    _, _, none = jax.jit(step, static_argnums=(3, 4, 5))(params, init_cache(same, 2, 64), _ids(64), same, False, True)
+    assert np.isnan(np.asarray(none)).all()
+
+
+def test_report_json(tmp_path, capsys):
+    """The report's command runs and prints the fields it promises (values are measured, not
+    asserted beyond their ranges)."""
+    from convert.export_hf import write_hf_checkpoint
+    from dsv4_jax.index_cache_report import main
+
+    write_hf_checkpoint(dsv4_jax.init_params(BASE, 1, std=0.1), BASE, str(tmp_path))
+    assert main(["--ckpt", str(tmp_path), "--prompt-len", "24", "--num-prompts", "2", "--new-tokens", "4"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"]["skip_layer_ids"] == [3]
+    assert 0 <= out["overlap_per_reusing_layer"]["3"] <= 1
+    assert out["kl_next_token"]["mean"] >= 0 and 0 <= out["greedy_agreement"]["fraction_equal"] <= 1
+    assert all(v > 0 for k, v in out["time_s"].items() if k != "note")
+    assert main(["--ckpt", str(tmp_path), "--pattern", "F", "--prompt-len", "8"]) == 1  # nothing reuses
+    assert "reuses on no layer" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""The Pallas kernels (TPU kernel bodies, run by the Pallas interpreter on CPU) against the
+plain-JAX references, on random inputs.
+
+Tolerances:
+* fp32 inputs / outputs: max |kernel - ref| <= 1e-5 * max |ref|. Both compute in fp32; they differ
+  only in the order of the sums (online softmax across key blocks, the pooling written as
+  sum(a * e / s) in a different association), which costs a few fp32 ulps.
+* bf16 outputs: max |kernel - ref| <= 2^-6 * max |ref|, and fewer than 1% of the elements differ.
+  The fp32 internals agree to ~1e-6, but the result (and, in the compressor, the pooled value
+  before the norm) is rounded to bf16, whose ulp is 2^-7 relative at worst. A last-bit difference
+  in fp32 can flip one rounding (1 ulp), and in the compressor a flip of the pooled value
+  propagates through the norm and the rope pair mix into a second rounding: 2 ulps of the largest
+  values, i.e. 2^-6 of max |ref|. The mismatch fraction guards against systematic errors hiding
+  inside that bound.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import compress, compress_ref, sparse_attention, sparse_attention_ref
+from pallas_kernels import sparse_attention_tpu as sat
+from pallas_kernels.compressor_tpu import compress_tpu
+
+
+def _check(out, ref):
+    out = np.asarray(out.astype(jnp.float32))
+    ref_ = np.asarray(ref.astype(jnp.float32))
+    assert out.shape == ref_.shape and out.dtype == ref_.dtype
+    scale = max(np.abs(ref_).max(), 1e-30)
+    err = np.abs(out - ref_).max()
+    if ref.dtype == jnp.float32:
+        assert err <= 1e-5 * scale, (err, scale)
+    else:
+        assert err <= 2.0 ** -6 * scale, (err, scale)
+        assert np.mean(out != ref_) < 0.01
+
+
+# ----------------------------------------------------------------------------- sparse attention
+
+def _attention_inputs(b, t, h, d, n, k, dtype, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
+    kv = (2 * jax.random.normal(ks[1], (b, n, d), jnp.float32)).astype(dtype)
+    # Random rows in [-1, n): -1 padding, and duplicates since k > n or by chance.
+    idx = jax.random.randint(ks[2], (b, t, k), -1, n).astype(jnp.int32)
+    idx = idx.at[0, 0].set(-1)  # a row with no valid key
+    if t > 1:  # a window-like row: the first keys valid, the rest padding, one key repeated
+        row = jnp.where(jnp.arange(k) < k // 3, jnp.arange(k) % n, -1).at[1].set(0)
+        idx = idx.at[-1, 1].set(row.astype(jnp.int32))
+    sink = jax.random.normal(ks[3], (h,), jnp.float32)
+    return q, kv, idx, sink
+
+
+@pytest.mark.parametrize(
+    "b, t, h, d, n, k, dtype",
+    [
+        (2, 3, 8, 128, 50, 200, jnp.float32),  # prefill, 2 key blocks (K padded 200 -> 256), duplicates
+        (2, 1, 16, 512, 300, 160, jnp.bfloat16),  # decode, D = 512
+        (1, 1, 8, 512, 40, 96, jnp.float32),  # decode, D = 512, one partial block
+        (1, 4, 8, 256, 64, 130, jnp.bfloat16),  # prefill bf16
+    ],
+)
+def test_sparse_attention_matches_ref(b, t, h, d, n, k, dtype):
+    q, kv, idx, sink = _attention_inputs(b, t, h, d, n, k, dtype, seed=b * 100 + t * 10 + k)
+    scale = d ** -0.5
+    out = sparse_attention(q, kv, idx, sink, scale=scale, impl="pallas")
+    ref = sparse_attention_ref(q, kv, idx, sink, scale=scale)
+    assert out.dtype == q.dtype
+    _check(out, ref)
+    assert np.all(np.asarray(out[0, 0].astype(jnp.float32)) == 0.0)  # the row with no valid key
+
+
+def test_sparse_attention_all_invalid_and_duplicates():
+    q, kv, idx, sink = _attention_inputs(1, 2, 8, 128, 20, 64, jnp.float32, seed=7)
+    idx = idx.at[0, 0].set(-1).at[0, 1].set(jnp.full((64,), 3, jnp.int32).at[5:].set(-1))
+    out = sparse_attention(q, kv, idx, sink, scale=0.1, impl="pallas")
+    _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.1))
+    assert np.all(np.asarray(out[0, 0]) == 0.0)
+    # Five copies of one key: o = 5 e^l kv / (5 e^l + e^sink).
+    logit = 0.1 * np.einsum("hd,d->h", np.asarray(q[0, 1]), np.asarray(kv[0, 3]))
+    w = 5 * np.exp(logit) / (5 * np.exp(logit) + np.exp(np.asarray(sink)))
+    np.testing.assert_allclose(np.asarray(out[0, 1]), w[:, None] * np.asarray(kv[0, 3])[None], rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_attention_chunked_prefill(monkeypatch):
+    # A prefill long enough to exceed the SMEM prefetch budget is split into calls along T.
+    monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", 2 * 128)
+    q, kv, idx, sink = _attention_inputs(1, 5, 8, 128, 30, 100, jnp.float32, seed=3)
+    out = sat.sparse_attention_tpu(q, kv, idx, sink, scale=0.2, interpret=True)
+    _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.2))
+
+
+def test_sparse_attention_impls_on_cpu():
+    q, kv, idx, sink = _attention_inputs(1, 2, 8, 128, 30, 40, jnp.float32, seed=5)
+    ref = sparse_attention_ref(q, kv, idx, sink, scale=0.2)
+    np.testing.assert_array_equal(sparse_attention(q, kv, idx, sink, scale=0.2, impl="ref"), ref)
+    if jax.default_backend() == "cpu":  # "auto" is the reference where no kernel exists
+        np.testing.assert_array_equal(sparse_attention(q, kv, idx, sink, scale=0.2), ref)
+    jitted = jax.jit(lambda *x: sparse_attention(*x, scale=0.2, impl="pallas"))
+    _check(jitted(q, kv, idx, sink), ref)
+    with pytest.raises(ValueError):
+        sparse_attention(q, kv, idx, sink, scale=0.2, impl="triton")
+
+
+# ----------------------------------------------------------------------------- compressor
+
+def _compressor_inputs(b, n, ratio, d, prev, seed, rope=64):
+    c = 2 * d if ratio == 4 else d
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    a = jax.random.normal(ks[0], (b, n * ratio, c), jnp.float32)
+    z = 2 * jax.random.normal(ks[1], (b, n * ratio, c), jnp.float32)
+    w = 1 + 0.1 * jax.random.normal(ks[2], (d,), jnp.float32)
+    angles = jax.random.uniform(ks[3], (b, n, rope // 2), jnp.float32, 0, 6.3)
+    pa = jax.random.normal(ks[4], (b, ratio, c), jnp.float32) if prev else None
+    pz = 2 * jax.random.normal(ks[5], (b, ratio, c), jnp.float32) if prev else None
+    return a, z, w, jnp.cos(angles), jnp.sin(angles), pa, pz
+
+
+@pytest.mark.parametrize(
+    "b, n, ratio, d, prev, out_dtype, block_entries",
+    [
+        (2, 5, 4, 128, False, jnp.float32, None),
+        (2, 5, 4, 128, True, jnp.float32, None),
+        (1, 40, 4, 128, True, jnp.float32, 16),  # 3 tiles, the last partial: tile edges via the tail rows
+        (1, 40, 4, 128, False, jnp.bfloat16, 16),
+        (1, 3, 4, 512, True, jnp.bfloat16, None),  # d = 512
+        (1, 2, 4, 512, False, jnp.float32, None),
+        (2, 3, 128, 128, False, jnp.float32, None),
+        (1, 20, 128, 128, False, jnp.bfloat16, 16),  # 2 tiles
+        (1, 2, 128, 512, True, jnp.float32, None),  # prev is ignored without overlap
+    ],
+)
+def test_compress_matches_ref(b, n, ratio, d, prev, out_dtype, block_entries):
+    a, z, w, cos, sin, pa, pz = _compressor_inputs(b, n, ratio, d, prev, seed=n * 7 + d + ratio)
+    ref = compress_ref(a, z, w, cos, sin, ratio=ratio, eps=1e-6, prev_a=pa, prev_z=pz, out_dtype=out_dtype)
+    if block_entries is None:
+        out = compress(a, z, w, cos, sin, ratio=ratio, eps=1e-6, prev_a=pa, prev_z=pz, out_dtype=out_dtype,
+                       impl="pallas")
+    else:
+        out = compress_tpu(a, z, w, cos, sin, ratio=ratio, eps=1e-6, prev_a=pa, prev_z=pz, out_dtype=out_dtype,
+                           interpret=True, block_entries=block_entries)
+    assert out.dtype == out_dtype and out.shape == (b, n, d)
+    _check(out, ref)
+
+
+def test_compress_empty_and_ref_impl():
+    a, z, w, cos, sin, _, _ = _compressor_inputs(1, 0, 4, 128, False, seed=1)
+    assert compress(a, z, w, cos, sin, ratio=4, eps=1e-6, impl="pallas").shape == (1, 0, 128)
+    a, z, w, cos, sin, pa, pz = _compressor_inputs(1, 2, 4, 128, True, seed=2)
+    ref = compress_ref(a, z, w, cos, sin, ratio=4, eps=1e-6, prev_a=pa, prev_z=pz)
+    np.testing.assert_array_equal(compress(a, z, w, cos, sin, ratio=4, eps=1e-6, prev_a=pa, prev_z=pz, impl="ref"), ref)
+    assert set(pallas_kernels.__all__) >= {"compress", "compress_ref", "sparse_attention", "sparse_attention_ref"}
