@@ -1,0 +1,446 @@
+"""Throughput benchmark: our JAX DeepSeek-V4 against transformers' DeepseekV4ForCausalLM.
+
+    python -m dsv4_jax.bench [--quick] [--skip-transformers] [--out FILE]
+
+Builds the "flash-mini" model (Flash's attention geometry on an 8-layer, 512-wide body; the
+config is written in the legacy / official form), randomises every parameter of a transformers
+model (as tests/hf_oracle.py does), saves it with `save_pretrained` and loads the same weights
+with `dsv4_jax.load`, then times both sides in fp32 in the same process and prints ONE JSON
+object (also written to --out): prefill tokens/s, decode tokens/s at batch 1 and 8, decode step
+time at several context lengths, our compile times, the ratios ours / transformers and the goals.
+
+With --skip-transformers no torch is needed: our weights come from `dsv4_jax.init_params`.
+--quick shrinks the model and every size (for the test suite); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import init_cache
+from .config import ModelConfig
+from .generate import _decode_loop, _prefill, prefill_chunks
+from .model import step
+
+# Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
+# 16 over 65536) on an 8-layer, 512-wide body: about 87 M parameters.
+FLASH_MINI = dict(
+    vocab_size=4096, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=8,
+    num_attention_heads=8, head_dim=512, qk_rope_head_dim=64, q_lora_rank=256, o_groups=2, o_lora_rank=256,
+    sliding_window=128, index_n_heads=8, index_head_dim=128, index_topk=64,
+    compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128], num_nextn_predict_layers=0,
+    num_hash_layers=1, n_routed_experts=16, num_experts_per_tok=2, hc_mult=4, hc_sinkhorn_iters=20,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                  "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=1048576, tie_word_embeddings=False,
+)
+
+# --quick: every layer kind, small widths.
+QUICK_MODEL = dict(
+    FLASH_MINI, vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=2, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32,
+    sliding_window=16, index_n_heads=4, index_head_dim=32, index_topk=8, compress_ratios=[0, 4, 128],
+    n_routed_experts=4,
+)
+
+FULL_SIZES = dict(prefill_len=2048, prompt_len=64, new_tokens=64, batches=(1, 8), contexts=(1024, 4096, 16384),
+                  hf_contexts=(1024, 4096), hf_new_tokens=(32, 16), repeats=5, hf_repeats=3, step_repeats=20)
+QUICK_SIZES = dict(prefill_len=256, prompt_len=16, new_tokens=8, batches=(1, 2), contexts=(128, 512),
+                   hf_contexts=(128,), hf_new_tokens=(4, 4), repeats=2, hf_repeats=1, step_repeats=3)
+
+GOALS = {  # name: (measured key, comparison, threshold)
+    "decode_b1_speedup": ("ratios.decode_tokens_per_s_b1", ">=", 2.5),
+    "decode_b8_speedup": ("ratios.decode_tokens_per_s_b8", ">=", 8.0),
+    "prefill_2048_speedup": ("ratios.prefill_tokens_per_s", ">=", 5.0),
+    "decode_step_16k_over_1k": ("ours.decode_step_growth_16k_over_1k", "<=", 1.3),
+}
+
+
+def _median_time(fn, repeats: int, setup=None) -> tuple[float, list[float]]:
+    """Median seconds of fn(setup()) over repeats runs (setup untimed); fn must block."""
+    times = []
+    for _ in range(repeats):
+        arg = setup() if setup is not None else None
+        t0 = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers side
+
+def hf_model(d: dict, seed: int = 0, std: float = 0.08):
+    """A transformers DeepseekV4ForCausalLM in fp32 with every parameter and buffer randomised
+    (tid2eid: k distinct experts per token), as tests/hf_oracle.py builds its models."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    d = dict(d)
+    d["compress_ratios"] = [0 if r == 1 else r for r in d["compress_ratios"]]
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**d)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                keys = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)
+                t.copy_(keys.argsort(dim=-1)[:, : cfg.num_experts_per_tok])
+            elif "norm" in name or name.endswith("scale"):
+                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("sinks", "base", "position_bias", "e_score_correction_bias", "hc_base")):
+                t.copy_(0.5 * torch.randn(t.shape, generator=g))
+            elif t.is_floating_point():
+                t.copy_(std * torch.randn(t.shape, generator=g))
+    return model
+
+
+def bench_transformers(model, sizes: dict, vocab: int) -> dict:
+    import torch
+
+    rng = np.random.default_rng(1)
+    out: dict = {}
+
+    def ids(b, n):
+        return torch.as_tensor(rng.integers(0, vocab, size=(b, n)), dtype=torch.long)
+
+    @torch.no_grad()
+    def prefill(x):
+        return model(input_ids=x, use_cache=True, logits_to_keep=1)
+
+    def cache_of(o):  # transformers 5.24 names it `cache` (`past_key_values` is deprecated)
+        return o.cache if getattr(o, "cache", None) is not None else o.past_key_values
+
+    @torch.no_grad()
+    def one(tok, past):
+        return model(input_ids=tok, cache=past, use_cache=True)
+
+    @torch.no_grad()
+    def decode(past, tok, n):
+        for _ in range(n):
+            o = one(tok, past)
+            past = cache_of(o)
+            tok = o.logits[:, -1].argmax(-1, keepdim=True)
+        return past
+
+    # prefill
+    S = sizes["prefill_len"]
+    x = ids(1, S)
+    prefill(ids(1, 64))  # warm-up (allocator, kernels)
+    t, ts = _median_time(lambda _: prefill(x), sizes["hf_repeats"])
+    out["prefill"] = {"tokens": S, "batch": 1, "seconds": t, "tokens_per_s": S / t, "runs_s": ts}
+
+    # decode throughput after a short prompt: a manual greedy loop over model(...) with its cache
+    n_new = sizes["new_tokens"]
+    for b in sizes["batches"]:
+        prompt = ids(b, sizes["prompt_len"])
+
+        def setup(prompt=prompt):
+            o = prefill(prompt)
+            return cache_of(o), o.logits[:, -1].argmax(-1, keepdim=True)
+
+        decode(*setup(), 2)  # warm-up
+        t, ts = _median_time(lambda s: decode(s[0], s[1], n_new), sizes["hf_repeats"], setup)
+        out[f"decode_b{b}"] = {"batch": b, "prompt": sizes["prompt_len"], "new_tokens": n_new, "seconds": t,
+                               "tokens_per_s": b * n_new / t, "ms_per_step": 1e3 * t / n_new, "runs_s": ts}
+
+    # decode step time at a context: prefill that context, then time single steps
+    steps = {}
+    for C, n in zip(sizes["hf_contexts"], sizes["hf_new_tokens"]):
+        t0 = time.perf_counter()
+        o = prefill(ids(1, C))
+        t_pre = time.perf_counter() - t0
+        past, tok = cache_of(o), o.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            o = one(tok, past)
+            times.append(time.perf_counter() - t0)
+            past, tok = cache_of(o), o.logits[:, -1].argmax(-1, keepdim=True)
+        times = times[1:] if len(times) > 2 else times
+        steps[str(C)] = {"ms": 1e3 * statistics.median(times), "steps_timed": len(times),
+                         "prefill_s": t_pre, "how": f"prefilled {C} random tokens, then timed single steps"}
+    out["decode_step"] = steps
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# our side
+
+_step = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
+
+
+def _prefill_all(params, cfg, ids: np.ndarray, max_len: int, cache=None):
+    """generate()'s prefill: chunks of PREFILL_CHUNK then powers of two. Returns (logits, cache)."""
+    B, S = ids.shape
+    cache = init_cache(cfg, B, max_len, params["embed"].dtype) if cache is None else cache
+    pos = 0
+    for size in prefill_chunks(S):
+        logits, cache = _prefill(params, cache, jnp.asarray(ids[:, pos:pos + size]), cfg, True)
+        pos += size
+    return logits, cache
+
+
+def _compile_seconds(jitted, *args) -> float:
+    t0 = time.perf_counter()
+    jitted.lower(*args).compile()
+    return time.perf_counter() - t0
+
+
+def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
+    rng = np.random.default_rng(1)
+    out: dict = {"compile_s": {}}
+    dtype = params["embed"].dtype
+    i32, f32 = jnp.int32, jnp.float32
+
+    # prefill (generate's chunking: chunks of 512, then powers of two)
+    S = sizes["prefill_len"]
+    max_len = -(-(S + 1) // 128) * 128
+    ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
+    chunk_sizes = sorted(set(prefill_chunks(S)))
+    out["compile_s"]["prefill"] = {
+        str(c): _compile_seconds(_prefill, params, init_cache(cfg, 1, max_len, dtype), jnp.zeros((1, c), i32), cfg, True)
+        for c in chunk_sizes}
+    run = lambda cache: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len, cache))
+    run(init_cache(cfg, 1, max_len, dtype))  # warm-up (first execution)
+    t, ts = _median_time(run, sizes["repeats"], lambda: jax.block_until_ready(init_cache(cfg, 1, max_len, dtype)))
+    out["prefill"] = {"tokens": S, "batch": 1, "chunks": prefill_chunks(S), "seconds": t, "tokens_per_s": S / t,
+                      "runs_s": ts}
+
+    # decode throughput: generate()'s jitted decode loop after a prompt
+    P, n_new = sizes["prompt_len"], sizes["new_tokens"]
+    for b in sizes["batches"]:
+        total = P + n_new
+        max_len = -(-total // 128) * 128
+        prompt = rng.integers(0, cfg.vocab_size, size=(b, P)).astype(np.int32)
+        buf = np.zeros((b, total), np.int32)
+        buf[:, :P] = prompt
+        buf, lengths = jnp.asarray(buf), jnp.full((b,), P, i32)
+        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), i32(-1))
+
+        def setup():
+            logits, cache = _prefill_all(params, cfg, prompt, max_len)
+            return jax.block_until_ready((logits[:, 0], cache))
+
+        logits, cache = setup()
+        out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
+            _decode_loop, params, cache, logits, buf, lengths, i32(n_new), *extra)
+
+        def decode(s):
+            toks, n_gen, _ = _decode_loop(params, s[1], s[0], buf, lengths, i32(n_new), *extra)
+            jax.block_until_ready(toks)
+            assert int(n_gen.min()) == n_new
+
+        decode(setup())  # warm-up
+        t, ts = _median_time(decode, sizes["repeats"], setup)
+        out[f"decode_b{b}"] = {"batch": b, "prompt": P, "new_tokens": n_new, "seconds": t,
+                               "tokens_per_s": b * n_new / t, "ms_per_step": 1e3 * t / n_new, "runs_s": ts}
+
+    # decode step time at context C: an empty cache of max_len = C + 128 with pos set to C
+    steps = {}
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(1, 1)).astype(np.int32))
+    for C in sizes["contexts"]:
+        max_len = C + 128
+        cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
+        c_s = _compile_seconds(_step, params, cache, tok, cfg, True)
+        logits, cache = _step(params, cache, tok, cfg, True)  # warm-up
+        jax.block_until_ready(logits)
+        times = []
+        for _ in range(sizes["step_repeats"]):
+            t0 = time.perf_counter()
+            logits, cache = _step(params, cache, tok, cfg, True)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - t0)
+        steps[str(C)] = {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                         "steps_timed": len(times), "max_len": max_len, "compile_s": c_s}
+        del cache
+    out["decode_step"] = steps
+    cs = [int(c) for c in steps]
+    out["decode_step_growth_16k_over_1k"] = steps[str(max(cs))]["ms"] / steps[str(min(cs))]["ms"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _get(d: dict, dotted: str):
+    for k in dotted.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _ratios(ours: dict, hf: dict) -> dict:
+    r = {"prefill_tokens_per_s": ours["prefill"]["tokens_per_s"] / hf["prefill"]["tokens_per_s"]}
+    for k in ours:
+        if k.startswith("decode_b") and k in hf:
+            r[f"decode_tokens_per_s_{k[len('decode_'):]}"] = ours[k]["tokens_per_s"] / hf[k]["tokens_per_s"]
+    r["decode_step_speedup"] = {}
+    for c, v in hf["decode_step"].items():
+        if isinstance(v, dict) and c in ours["decode_step"]:
+            r["decode_step_speedup"][c] = v["ms"] / ours["decode_step"][c]["ms"]
+    return r
+
+
+def _goals(result: dict, quick: bool) -> dict:
+    goals = {}
+    for name, (key, op, thr) in GOALS.items():
+        key = key.replace("_b8", f"_b{result['sizes']['batches'][-1]}") if quick else key
+        v = _get(result, key)
+        if v is None:
+            goals[name] = {"measured": None, "goal": f"{op} {thr}", "pass": None, "note": "not measured"}
+        else:
+            ok = v >= thr if op == ">=" else v <= thr
+            goals[name] = {"measured": round(v, 3), "goal": f"{op} {thr}", "pass": bool(ok), "from": key}
+    return goals
+
+
+def _torch_threads(model, cores: int, forced: int | None, cfg_vocab: int) -> tuple[int, dict]:
+    """torch threads to time transformers with: `forced`, else the machine's cores, unless the
+    machine is so loaded that torch's OpenMP threads oversubscribe it (observed here: 1.6 s per
+    decode step with 2 threads at load 5 against 60 ms with 1 thread), which a short probe of
+    decode steps at `cores` and at 1 thread detects (cores more than 1.5x slower: 1 thread)."""
+    import torch
+
+    if forced:
+        return forced, {"forced": forced}
+    if cores == 1:
+        return 1, {}
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, cfg_vocab, size=(1, 16)), dtype=torch.long)
+    probe = {}
+    for n in (cores, 1):
+        torch.set_num_threads(n)
+        with torch.no_grad():
+            o = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            c, tok = o.cache, o.logits[:, -1].argmax(-1, keepdim=True)
+            ts = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                o = model(input_ids=tok, cache=c, use_cache=True)
+                ts.append(time.perf_counter() - t0)
+        probe[f"decode_step_ms_{n}_threads"] = 1e3 * statistics.median(ts[1:])
+    slow = probe[f"decode_step_ms_{cores}_threads"] > 1.5 * probe["decode_step_ms_1_threads"]
+    probe["chosen"] = 1 if slow else cores
+    probe["why"] = ("oversubscribed: the machine's other load makes torch's threads wait on each other"
+                    if slow else "machine's cores")
+    return probe["chosen"], probe
+
+
+def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int | None = None) -> dict:
+    sizes = dict(QUICK_SIZES if quick else FULL_SIZES)
+    d = QUICK_MODEL if quick else FLASH_MINI
+    cores = os.cpu_count() or 1
+    result: dict = {
+        "model": "quick" if quick else "flash-mini",
+        "hf_config": d,
+        "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()},
+        "env": {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+                "devices": [str(x) for x in jax.devices()], "cpu_count": cores,
+                "jax_default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+                "dtype": "float32 (both sides)", "loadavg_1m_start": _load()},
+    }
+    hf = None
+    t0 = time.perf_counter()
+    if not skip_transformers:
+        import torch
+        import transformers
+
+        from .loading import load
+
+        hf = hf_model(d, seed=0)
+        threads, probe = _torch_threads(hf, cores, torch_threads, cfg_vocab=d["vocab_size"])
+        torch.set_num_threads(threads)
+        result["env"].update(torch=torch.__version__, transformers=transformers.__version__,
+                             torch_threads=torch.get_num_threads(), torch_thread_probe=probe)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            model = load(tmp)
+        params, cfg = model.params, model.config
+        weights = "transformers DeepseekV4ForCausalLM, every parameter randomised, save_pretrained -> dsv4_jax.load"
+    else:
+        from .params import init_params
+
+        cfg = ModelConfig.from_hf(d)
+        params = init_params(cfg, seed=0)
+        weights = "dsv4_jax.init_params (random)"
+    result["weights"] = weights
+    result["params"] = int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+    result["build_s"] = time.perf_counter() - t0
+
+    result["ours"] = bench_ours(params, cfg, sizes)
+    if hf is not None:
+        hf_out = bench_transformers(hf, sizes, cfg.vocab_size)
+        for C in sizes["contexts"]:
+            if str(C) not in hf_out["decode_step"]:
+                hf_out["decode_step"][str(C)] = (
+                    f"not run: transformers prefills a context in one forward whose attention builds S x S "
+                    f"masks and scores ({C} x {C} x {cfg.num_heads} heads fp32 = "
+                    f"{C * C * cfg.num_heads * 4 / 2**30:.1f} GiB of scores) and takes minutes on this 2-core "
+                    f"machine; measured up to {max(sizes['hf_contexts'])}")
+        result["transformers"] = hf_out
+        result["ratios"] = _ratios(result["ours"], hf_out)
+    else:
+        result["transformers"] = "skipped (--skip-transformers)"
+    result["goals"] = _goals(result, quick)
+    result["env"]["loadavg_1m_end"] = _load()
+    result["notes"] = [
+        "ours: jax.jit on CPU, fp32; throughput excludes compilation (compiled ahead with .lower().compile(), "
+        "then one warm-up execution); times are medians of repeats with block_until_ready.",
+        "prefill: generate()'s path (_prefill over chunks of 512 tokens, cache donated), logits of the last "
+        "position only; transformers: one forward of the whole prompt with use_cache=True, logits_to_keep=1.",
+        "decode throughput: ours = generate()'s jitted _decode_loop (greedy) after a prefilled prompt; "
+        "transformers = a greedy loop of model(next_token, cache=...) calls (no generate() overhead).",
+        "ours decode_step at context C: an empty cache of max_len C + 128 with cache['pos'] set to C (the work "
+        "per step depends only on shapes and masks, not on the cache contents); transformers: a real prefill of "
+        "C tokens, then single steps.",
+        "torch threads: env.torch_threads (os.cpu_count() unless env.torch_thread_probe found the machine "
+        "oversubscribed or --torch-threads forced it); XLA CPU uses its own thread pool over the same cores. "
+        "The machine is shared: env.loadavg_1m_* record its load at start and end.",
+        "ratios are ours / transformers for throughput and transformers ms / ours ms for step times "
+        "(higher is better for ours in both).",
+    ]
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model and sizes (for tests)")
+    ap.add_argument("--skip-transformers", action="store_true", help="time only ours (no torch needed)")
+    ap.add_argument("--out", help="also write the JSON to this file")
+    ap.add_argument("--torch-threads", type=int, help="torch threads (default: the cores, or 1 when a probe "
+                                                          "finds the machine oversubscribed)")
+    args = ap.parse_args(argv)
+    result = run(quick=args.quick, skip_transformers=args.skip_transformers, torch_threads=args.torch_threads)
+    text = json.dumps(result, indent=1, default=lambda o: o if not isinstance(o, float) else round(o, 6))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
