@@ -4,7 +4,7 @@
 
 Builds the "flash-mini" model (Flash's attention geometry on an 8-layer, 512-wide body; the
 config is written in the legacy / official form), randomises every parameter of a transformers
-model (as tests/hf_oracle.py does), saves it with `save_pretrained` and loads the same weights
+model (dsv4_jax.hf_reference), saves it with `save_pretrained` and loads the same weights
 with `dsv4_jax.load`, then times both sides in fp32 in the same process and prints ONE JSON
 object (also written to --out): prefill tokens/s, decode tokens/s at batch 1 and 8, decode step
 time at several context lengths, our compile times, the ratios ours / transformers and the goals.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import numpy as np
 from .cache import init_cache
 from .config import ModelConfig
 from .generate import _decode_loop, _prefill, prefill_chunks
+from .hf_reference import make_model
 from .model import step
 
 # Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
@@ -89,34 +89,6 @@ def _load() -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # transformers side
-
-def hf_model(d: dict, seed: int = 0, std: float = 0.08):
-    """A transformers DeepseekV4ForCausalLM in fp32 with every parameter and buffer randomised
-    (tid2eid: k distinct experts per token), as tests/hf_oracle.py builds its models."""
-    import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    d = dict(d)
-    d["compress_ratios"] = [0 if r == 1 else r for r in d["compress_ratios"]]
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**d)).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.config
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("tid2eid"):
-                keys = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)
-                t.copy_(keys.argsort(dim=-1)[:, : cfg.num_experts_per_tok])
-            elif "norm" in name or name.endswith("scale"):
-                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith(("sinks", "base", "position_bias", "e_score_correction_bias", "hc_base")):
-                t.copy_(0.5 * torch.randn(t.shape, generator=g))
-            elif t.is_floating_point():
-                t.copy_(std * torch.randn(t.shape, generator=g))
-    return model
-
 
 def bench_transformers(model, sizes: dict, vocab: int) -> dict:
     import torch
@@ -370,7 +342,7 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
 
         from .loading import load
 
-        hf = hf_model(d, seed=0)
+        hf = make_model(d, seed=0)
         threads, probe = _torch_threads(hf, cores, torch_threads, cfg_vocab=d["vocab_size"])
         torch.set_num_threads(threads)
         result["env"].update(torch=torch.__version__, transformers=transformers.__version__,

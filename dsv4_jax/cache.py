@@ -84,15 +84,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return walk(cache_spec(cfg, batch, max_len, dtype))
 
 
-def cache_max_len(cache: dict, cfg: ModelConfig) -> int | None:
-    """The max_len a cache was created for, or None when it has no compressed layers."""
-    if "csa" in cache:
-        return cache["csa"]["pool"].shape[2] * CSA
-    if "hca" in cache:
-        return cache["hca"]["pool"].shape[2] * HCA
-    return None
-
-
 def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16) -> dict:
     """Bytes of a cache per layer kind (window rings included; the indexer's keys count as
     ratio-4): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""

@@ -84,19 +84,23 @@ def sample_logits(logits: jnp.ndarray, key: jax.Array, temperature, top_k, top_p
     else a draw from softmax(logits / temperature) restricted to the top_k most likely tokens
     (0: all) and to the smallest set whose probability reaches top_p (the most likely token is
     always kept). All three are traced values: changing them does not recompile."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    V = logits.shape[-1]
-    kth = jnp.take_along_axis(ordered, jnp.clip(jnp.where(top_k > 0, top_k, V) - 1, 0, V - 1)
-                              * jnp.ones((logits.shape[0], 1), jnp.int32), axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each token
-    keep_sorted = (before < top_p) & (ordered >= kth)
-    cutoff = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    drawn = jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():  # the sort and the draw only run when sampling
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+        V = logits.shape[-1]
+        kth = jnp.take_along_axis(ordered, jnp.clip(jnp.where(top_k > 0, top_k, V) - 1, 0, V - 1)
+                                  * jnp.ones((logits.shape[0], 1), jnp.int32), axis=-1)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each token
+        keep_sorted = (before < top_p) & (ordered >= kth)
+        cutoff = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
+        masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+        return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, greedy)
 
 
 @partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))

@@ -7,7 +7,6 @@ softmax denominator.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 

@@ -1,14 +1,11 @@
-"""Builds random DeepSeek-V4 models in transformers (the parity oracle) and saves them as HF
-checkpoints our loader reads.
-
-transformers initialises sinks, `ape` (position_bias), gate bias, hc base/scale and tid2eid to
-trivial values; here every parameter and buffer is randomised, tid2eid with k distinct valid
-experts per token, so no code path is hidden behind a zero or a one.
-"""
+"""The test configs, and random transformers models (dsv4_jax.hf_reference: every parameter
+randomised) saved as HF checkpoints our loader reads."""
 
 from __future__ import annotations
 
 import torch
+
+from dsv4_jax.hf_reference import hf_config, make_model, randomize  # noqa: F401  (used by the tests)
 
 TINY = dict(  # head_dim 32, rope 8, window 8, 7 layers mixing 0/4/128, hash and learned MoE
     vocab_size=96, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=7,
@@ -35,41 +32,6 @@ FLASH_SHAPED = dict(
                   "beta_fast": 32, "beta_slow": 1},
     max_position_embeddings=1048576, tie_word_embeddings=False,
 )
-
-
-def hf_config(d: dict):
-    from transformers import DeepseekV4Config
-
-    d = dict(d)
-    d["compress_ratios"] = [0 if r == 1 else r for r in d["compress_ratios"]]  # transformers knows 0 only
-    return DeepseekV4Config(**d)
-
-
-@torch.no_grad()
-def randomize(model, seed: int = 0, std: float = 0.08) -> None:
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.config
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "inv_freq" in name:
-            continue
-        if name.endswith("tid2eid"):
-            keys = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)
-            t.copy_(keys.argsort(dim=-1)[:, : cfg.num_experts_per_tok])
-        elif "norm" in name or name.endswith("scale"):
-            t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
-        elif name.endswith(("sinks", "base", "position_bias", "e_score_correction_bias", "hc_base")):
-            t.copy_(0.5 * torch.randn(t.shape, generator=g))
-        elif t.is_floating_point():
-            t.copy_(std * torch.randn(t.shape, generator=g))
-
-
-def make_model(d: dict, seed: int = 0, std: float = 0.08):
-    from transformers import DeepseekV4ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(hf_config(d)).float().eval()
-    randomize(model, seed, std)
-    return model
 
 
 def save(model, d: dict, directory: str) -> None:

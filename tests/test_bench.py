@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from dsv4_jax import bench
+from dsv4_jax.hf_reference import make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +61,7 @@ def test_transformers_side_and_ratios_on_a_tiny_model():
     d = dict(bench.QUICK_MODEL, vocab_size=64, hidden_size=32, moe_intermediate_size=16, head_dim=32,
              qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=8, sliding_window=8, index_head_dim=16, index_topk=4)
     sizes = dict(bench.QUICK_SIZES, prefill_len=32, prompt_len=8, new_tokens=2, hf_contexts=(16,), hf_new_tokens=(3,))
-    hf = bench.hf_model(d, seed=0)
+    hf = make_model(d, seed=0)
     threads, probe = bench._torch_threads(hf, 2, None, d["vocab_size"])
     assert threads in (1, 2) and probe["chosen"] == threads and _positive(probe["decode_step_ms_1_threads"])
     assert bench._torch_threads(hf, 2, 3, d["vocab_size"])[0] == 3

@@ -1,7 +1,6 @@
 """IndexCache: the schedule, reuse in the stack, both compressor semantics, and bad patterns."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
