@@ -6,12 +6,15 @@ FP4 expert weights) and writes OUT_DIR with
 * `config.json`: {"dsv4_jax": ModelConfig.to_dict(), "converted_from", "layers_converted", "dtype",
   "mtp_tensors", and with --dtype native "quantized": {leaf: "fp8"|"fp4"}} (readable by
   `dsv4_jax.ModelConfig.from_hf(OUT_DIR)`);
-* `params/`: the parameter tree as a tensorstore zarr3 array store (convert/store.py): with
-  bfloat16/float32, "weight" leaves dequantized exactly to that dtype, fp32 and int leaves as
-  `dsv4_jax.param_spec` says; with native, the FP8/FP4 leaves of `dsv4_jax.params.NATIVE_QUANT`
+* `params/`: the parameter tree as an Orbax PyTree checkpoint (zarr3 arrays written slice by
+  slice with tensorstore, convert/store.py; restorable with plain Orbax): with bfloat16/float32,
+  "weight" leaves dequantized exactly to that dtype, fp32 and int leaves as `dsv4_jax.param_spec`
+  says; with native, the FP8/FP4 leaves of `dsv4_jax.params.NATIVE_QUANT`
   that the checkpoint stores quantized stay quantized (values + scales) and every other float
-  leaf keeps bfloat16 where the checkpoint's values fit it exactly, float32 otherwise;
-* `mtp/`: the `mtp.*` tensors by name (same store), when present.
+  leaf keeps bfloat16 where the checkpoint's values fit it exactly, float32 otherwise; a quantized
+  leaf is the subtree {"values", "scale"};
+* `mtp/`: the `mtp.*` tensors, when present, as another Orbax checkpoint (tree nested by the
+  names' dotted parts, so each array's directory is the tensor's name).
 
 The conversion streams: headers are checked first, then one tensor (with its scale) at a time is
 read, converted and written into its slice of the on-disk array, so memory stays around one
@@ -84,18 +87,6 @@ class _Progress:
         self.stream.flush()
 
 
-def flatten_names(tree: dict, prefix: str = "") -> dict:
-    """{'mtp': {'0': {'enorm': {'weight': a}}}} -> {'mtp.0.enorm.weight': a} (older Orbax mtp trees)."""
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict):
-            out.update(flatten_names(v, name))
-        else:
-            out[name] = v
-    return out
-
-
 def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
     """Leaf path -> (kind, stored dtype): kind "float"/"int" with a numpy dtype, or "fp8"/"fp4"
     (dtype None) for a leaf kept quantized (--dtype native only)."""
@@ -133,36 +124,36 @@ def _key(path) -> str:
 
 def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str, progress, *, native: bool,
                   mtp_dtype) -> tuple[int, int]:
-    """Streams every tensor into the stores; returns (mtp tensor count, bytes written)."""
+    """Streams every tensor into the two Orbax checkpoints; returns (mtp tensor count, bytes written)."""
     from dsv4_jax.params import map_spec
 
     from .load_hf import iter_sources
-    from .store import StoreWriter
+    from .store import CheckpointWriter
 
-    writer = StoreWriter(params_dir)
-    map_spec(lambda path, leaf: writer.create(_key(path), layout[path][0], leaf[0], dtype=layout[path][1],
+    writer = CheckpointWriter(params_dir)
+    map_spec(lambda path, leaf: writer.create(path, layout[path][0], leaf[0], dtype=layout[path][1],
                                               lead=_lead(path)), plan.spec)
-    mtp_writer = StoreWriter(mtp_dir) if plan.mtp_names else None
+    mtp_writer = CheckpointWriter(mtp_dir) if plan.mtp_names else None
     n_mtp = 0
     for name, path, index, src in iter_sources(plan, progress):
         if path is None:  # mtp: raw tensors as stored; quantized ones kept (native) or dequantized
             n_mtp += 1
+            mpath = tuple(name.split("."))  # nested by the name's parts: directories keep the name
             if src.fmt != "raw" and native:
-                mtp_writer.create(name, src.fmt, _logical_shape(src), lead=0)
-                mtp_writer.write(f"{name}/values", (), src.data.view(np.uint8) if src.fmt == "fp4" else src.data)
-                mtp_writer.write(f"{name}/scale", (), src.scale)
+                mtp_writer.create(mpath, src.fmt, _logical_shape(src), lead=0)
+                mtp_writer.write(mpath + ("values",), (), src.data.view(np.uint8) if src.fmt == "fp4" else src.data)
+                mtp_writer.write(mpath + ("scale",), (), src.scale)
             else:
                 arr = src.data if src.fmt == "raw" else src.dense(mtp_dtype)
-                mtp_writer.create(name, "int" if arr.dtype.kind in "iub" else "float", arr.shape, dtype=arr.dtype)
-                mtp_writer.write(name, (), arr)
+                mtp_writer.create(mpath, "int" if arr.dtype.kind in "iub" else "float", arr.shape, dtype=arr.dtype)
+                mtp_writer.write(mpath, (), arr)
             continue
         kind, dt = layout[path]
-        key = _key(path)
         if kind in ("fp8", "fp4"):
-            writer.write(f"{key}/values", index, src.data.view(np.uint8) if kind == "fp4" else src.data)
-            writer.write(f"{key}/scale", index, src.scale)
+            writer.write(path + ("values",), index, src.data.view(np.uint8) if kind == "fp4" else src.data)
+            writer.write(path + ("scale",), index, src.scale)
         else:
-            writer.write(key, index, src.dense(dt))
+            writer.write(path, index, src.dense(dt))
     writer.close()
     if mtp_writer is not None:
         mtp_writer.close()
@@ -259,7 +250,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("dsv4-convert: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # anything else: still one clear line, no partial output
+    except Exception as e:  # noqa: BLE001  anything else: still one clear line, no partial output
         print(f"dsv4-convert: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if sys.stderr.isatty():

@@ -148,14 +148,14 @@ def run_child(args: list[str]) -> tuple[int, float, int, str]:
 
 
 def output_layer_bytes(out_dir: str) -> int:
-    """The largest single layer of a converted directory, from its store index: every per-layer
-    leaf's slice, plus the largest per-kind (csa / hca) and routing (tid2eid / gate_bias) slice."""
+    """The largest single layer of a converted directory, from the leaves listed in its Orbax
+    checkpoint's custom metadata: every per-layer leaf's slice, plus the largest per-kind (csa /
+    hca) and routing (tid2eid / gate_bias) slice."""
     from dsv4_jax.quantized import storage_shapes
 
-    from .store import INDEX
+    from .store import read_custom_metadata
 
-    with open(os.path.join(out_dir, "params", INDEX)) as f:
-        leaves = json.load(f)["leaves"]
+    leaves = read_custom_metadata(os.path.join(out_dir, "params"))["leaves"]
     per: dict[str, int] = {}
     for key, meta in leaves.items():
         group = key.split(".")[0]
@@ -195,8 +195,8 @@ def main(argv=None) -> int:
         shards = build(cfg, src)
         build_s = time.monotonic() - t0
         src_du = du(src)
-        rc, _, base_rss, err = run_child(["-c", "import convert.cli, convert.store, convert.load_hf, dsv4_jax, "
-                                                "tensorstore, jax.numpy"])
+        rc, _, base_rss, err = run_child(["-c", ("import convert.cli, convert.store, convert.load_hf, dsv4_jax, "
+                                                 "tensorstore, jax.numpy")])
         layer_src = max(_nbytes(t) for s, t in shards.items() if s.startswith("layer-"))
         report = {
             "config": {"hidden": 4096, "layers": args.layers, "compress_ratios": list(cfg.compress_ratios),

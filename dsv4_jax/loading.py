@@ -34,14 +34,15 @@ def is_converted(path: str | os.PathLike) -> bool:
 def load(path: str | os.PathLike, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
          **options) -> Model:
     """Loads the model in `path`: either a directory written by `dsv4-convert` (config.json plus
-    the array store under `params/`), or an HF checkpoint directory holding `config.json` and
+    the Orbax checkpoint `params/`, restored through Orbax), or an HF checkpoint directory holding `config.json` and
     safetensors (single file or sharded with `model.safetensors.index.json`; official or
     transformers naming; float, FP8 or FP4 weights, dequantized on the fly). `dtype` is the
     compute dtype of the weights (float32 or bfloat16); norms, hyper-connections, sinks, `ape`,
     gate and compressor weights stay in float32. A `--dtype native` conversion's FP8/FP4 leaves
     come back as `QuantizedWeight`s (stored values and scales, `dtype` as their compute dtype),
     dequantized inside the matmuls. `sharding`, when given, is applied to every array (e.g. a
-    NamedSharding on a mesh); each device reads only its own shard from disk.
+    NamedSharding on a mesh); each device reads only its own shard from disk (a converted
+    directory; an HF one is read whole, then placed).
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -58,99 +59,102 @@ def load(path: str | os.PathLike, dtype=jnp.float32, sharding: jax.sharding.Shar
     return Model(params=jax.tree.map(put, params), config=cfg)
 
 
-def _read_array(reader, name: str, shape, dtype, sharding) -> jax.Array:
-    """One stored array onto `sharding`, each addressable shard read from disk on its own."""
-    dtype = np.dtype(dtype)
+def _check_tree(pdir: str, want: dict) -> None:
+    """Every array the target asks for is in the checkpoint with the expected shape (Orbax itself
+    would pad or truncate a misshapen one); `want` maps tree paths to shapes."""
+    import orbax.checkpoint as ocp
 
-    def shard(index):
-        a = reader.read(name, index)
-        if a.dtype != dtype:
-            a = a.astype(np.float32).astype(dtype) if dtype.kind == "f" or dtype.name == "bfloat16" else a.astype(dtype)
-        return a
-
-    return jax.make_array_from_callback(tuple(shape), sharding, shard)
-
-
-def _np(dtype) -> np.dtype:
-    import ml_dtypes
-
-    d = jnp.dtype(dtype)
-    return np.dtype(ml_dtypes.bfloat16) if d == jnp.dtype(jnp.bfloat16) else np.dtype(d)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ckptr.metadata(pdir)
+    meta = getattr(meta, "item_metadata", meta)
+    meta = getattr(meta, "tree", meta)
+    have = {tuple(str(getattr(k, "key", k)) for k in p): tuple(getattr(m, "shape", ()) or ())
+            for p, m in jax.tree_util.tree_flatten_with_path(meta)[0]}
+    for path, shape in want.items():
+        got = have.get(path)
+        if got is None or tuple(got) != tuple(shape):
+            raise ValueError(f"{pdir}: array {'.'.join(path)!r} is {'missing' if got is None else list(got)}, "
+                             f"the config expects {list(shape)}")
 
 
 def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
-    from convert.store import INDEX, StoreReader
+    """The params/ Orbax checkpoint restored by Orbax onto `sharding` (each device reads its
+    own shard), the values / scale subtrees of a native conversion as QuantizedWeights."""
+    import orbax.checkpoint as ocp
+
+    from .quantized import storage_shapes
 
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pdir = os.path.join(path, PARAMS_DIR)
-    if not os.path.isfile(os.path.join(pdir, INDEX)):
-        return _restore_orbax(path, cfg, dtype, sharding)
-    reader = StoreReader(pdir)
-
-    def leaf(p, spec_leaf):
-        shape, cls = spec_leaf
-        key = ".".join(p)
-        meta = reader.leaves.get(key)
-        if meta is None or tuple(meta["shape"]) != tuple(shape):
-            raise ValueError(f"{pdir}: leaf {key!r} is {'missing' if meta is None else meta['shape']}, "
-                             f"the config expects {list(shape)}")
-        if meta["kind"] in ("fp8", "fp4"):
-            vs = reader.array(f"{key}/values")
-            ss = reader.array(f"{key}/scale")
-            values = _read_array(reader, f"{key}/values", vs.shape, vs.dtype.numpy_dtype, sharding)
-            scale = _read_array(reader, f"{key}/scale", ss.shape, ss.dtype.numpy_dtype, sharding)
-            return QuantizedWeight(values, scale, fmt=meta["kind"], dtype_name=jnp.dtype(dtype).name)
-        return _read_array(reader, key, shape, _np(leaf_dtype(cls, dtype)), sharding)
-
-    return map_spec(leaf, param_spec(cfg))
-
-
-def _stored_dtype(path: str):
+    pdir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     with open(os.path.join(path, "config.json")) as f:
-        return jnp.dtype(json.load(f).get("dtype", "float32"))
+        quantized = json.load(f).get("quantized") or {}
+    want: dict[tuple, tuple] = {}
 
+    def target(p, spec_leaf):
+        shape, cls = spec_leaf
+        fmt = quantized.get(".".join(p))
+        if fmt is not None:
+            parts = storage_shapes(tuple(shape), fmt)
+            want.update({p + (k,): s for k, (s, _) in parts.items()})
+            return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in parts.items()}
+        want[p] = tuple(shape)
+        return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, dtype), sharding=sharding)
 
-def _restore_orbax(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
-    """Directories converted before the array store (an Orbax checkpoint under params/)."""
-    import orbax.checkpoint as ocp
-
-    stored = _stored_dtype(path)
-    target = map_spec(lambda p, leaf: jax.ShapeDtypeStruct(leaf[0], leaf_dtype(leaf[1], stored), sharding=sharding),
-                      param_spec(cfg))
+    tgt = map_spec(target, param_spec(cfg))
+    _check_tree(pdir, want)
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
-    want = map_spec(lambda p, leaf: leaf_dtype(leaf[1], dtype), param_spec(cfg))
-    return jax.tree.map(lambda x, d: x if x.dtype == d else x.astype(d), params, want)
+        params = ckptr.restore(pdir, tgt)
+
+    def build(p, spec_leaf):
+        node = params
+        for k in p:
+            node = node[k]
+        fmt = quantized.get(".".join(p))
+        if fmt is not None:
+            return QuantizedWeight(node["values"], node["scale"], fmt=fmt, dtype_name=jnp.dtype(dtype).name)
+        return node
+
+    return map_spec(build, param_spec(cfg))
+
+
+def _flatten_mtp(tree: dict, leaves: dict, prefix: str = "") -> dict:
+    """{'mtp': {'0': {'enorm': {'weight': a}}}} -> {'mtp.0.enorm.weight': a}, stopping at the
+    quantized leaves named in `leaves` (their {'values', 'scale'} subtrees)."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and name not in leaves:
+            out.update(_flatten_mtp(v, leaves, name))
+        else:
+            out[name] = v
+    return out
 
 
 def load_mtp(path: str | os.PathLike) -> dict:
-    """The `mtp.*` tensors a `dsv4-convert` directory kept, by their checkpoint names (numpy;
-    quantized ones of a native conversion dequantized to float32)."""
-    from convert import quant
-    from convert.store import INDEX, StoreReader
+    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by
+    their checkpoint names, as numpy arrays (quantized ones of a native conversion dequantized
+    to float32)."""
+    import ml_dtypes
+    import orbax.checkpoint as ocp
 
-    d = os.path.join(os.fspath(path), MTP_DIR)
+    from convert import quant
+    from convert.store import read_custom_metadata
+
+    d = os.path.abspath(os.path.join(os.fspath(path), MTP_DIR))
     if not os.path.isdir(d):
         return {}
-    if not os.path.isfile(os.path.join(d, INDEX)):
-        import orbax.checkpoint as ocp
-
-        from convert.cli import flatten_names
-
-        with ocp.StandardCheckpointer() as ckptr:
-            tree = ckptr.restore(os.path.abspath(d))
-        return {k: np.asarray(v) for k, v in flatten_names(tree).items()}
-    import ml_dtypes
-
-    reader = StoreReader(d)
+    leaves = (read_custom_metadata(d) or {}).get("leaves", {})
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(d)
     out = {}
-    for name, meta in reader.leaves.items():
-        if meta["kind"] == "fp8":
-            out[name] = quant.dequantize_fp8(reader.read(f"{name}/values"), reader.read(f"{name}/scale"))
-        elif meta["kind"] == "fp4":
-            out[name] = quant.dequantize_fp4(reader.read(f"{name}/values").view(np.int8),
-                                             reader.read(f"{name}/scale").view(ml_dtypes.float8_e8m0fnu))
+    for name, v in _flatten_mtp(tree, leaves).items():
+        kind = leaves.get(name, {}).get("kind")
+        if kind == "fp8":
+            out[name] = quant.dequantize_fp8(np.asarray(v["values"]), np.asarray(v["scale"]))
+        elif kind == "fp4":
+            out[name] = quant.dequantize_fp4(np.asarray(v["values"]).view(np.int8),
+                                             np.asarray(v["scale"]).view(ml_dtypes.float8_e8m0fnu))
         else:
-            out[name] = reader.read(name)
+            out[name] = np.asarray(v)
     return out

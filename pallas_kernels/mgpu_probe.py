@@ -1,6 +1,9 @@
-"""Probe (run as a script, CPU is enough): how far a Mosaic GPU gather + wgmma gets through
-jax.export for CUDA in jax 0.10.2. Not imported by the package; see README.md, GPU status.
-Run: python -m pallas_kernels.mgpu_probe plain|swizzled|wgmma"""
+"""Probe (run as a script, CPU is enough): how far a Mosaic GPU gather + *wgmma* (tensor-core)
+design gets through jax.export for CUDA in jax 0.10.2. Not imported by the package; see README.md,
+GPU status. The shipped kernel (sparse_attention_mgpu.py) avoids wgmma; this script is kept to
+reproduce why. It checks lowering only: it issues many TMA copies against one barrier created with
+num_arrivals=1, which would be wrong at run time (the kernel uses num_arrivals = copies per wait).
+Run: python -m pallas_kernels.mgpu_probe plain|swizzled|wgmma|wgmma_unopt"""
 import sys
 
 import jax
@@ -39,15 +42,19 @@ def probe(mode: str) -> str:
             lax.fori_loop(0, BK, fetch, 0)
             plgpu.barrier_wait(bar.at[1])
             plgpu.barrier_wait(bar.at[2])
-            if mode == "wgmma":  # re-layout plain -> swizzled, then q @ k^T on the tensor cores
-                kbuf[...] = plgpu.layout_cast(buf.reshape(BK, D)[...], plgpu.Layout.WGMMA)
+            if mode in ("wgmma", "wgmma_unopt"):  # re-layout plain -> swizzled, then q @ k^T (wgmma)
+                if mode == "wgmma":
+                    rows = plgpu.layout_cast(buf.reshape(BK, D)[...], plgpu.Layout.WGMMA)
+                else:  # a load that may bank-conflict (as the shipped kernel's loads do)
+                    rows = plgpu.load(buf.reshape(BK, D), (), layout=plgpu.Layout.WGMMA, optimized=False)
+                kbuf[...] = rows
                 plgpu.commit_smem()
 
                 def mm(acc_ref):
                     plgpu.wgmma(acc_ref, qs, plgpu.transpose_ref(kbuf, (1, 0)))
                     return acc_ref[...]
 
-                pl.run_state(mm)(plgpu.ACC.init(jnp.zeros((H, BK), jnp.float32)))
+                pl.run_state(mm)(plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((H, BK), jnp.float32), plgpu.Layout.WGMMA)))
             o_gmem[bt, pl.ds(0, 1), :] = jnp.zeros((1, D), jnp.bfloat16)
 
         pl.run_scoped(scoped, plgpu.SMEM((K // 128, 128), jnp.int32), plgpu.SMEM((BK, D // 256, 256), jnp.bfloat16),
@@ -68,5 +75,5 @@ def probe(mode: str) -> str:
 
 
 if __name__ == "__main__":
-    for m in sys.argv[1:] or ["plain", "swizzled", "wgmma"]:
+    for m in sys.argv[1:] or ["plain", "swizzled", "wgmma", "wgmma_unopt"]:
         print(probe(m))

@@ -22,11 +22,13 @@ def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, 
     valid = indices >= 0
     rows = jnp.take_along_axis(kv[:, None, :, :], jnp.where(valid, indices, 0)[..., None], axis=2)
     rows = rows.astype(jnp.float32)  # [B, T, K, D]
-    logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), rows) * scale
-    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, None, :, None]
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    # Logits as [B, T, K, H] (the rows on the left): XLA on CPU runs this batched product several
+    # times faster than the [B, T, H, K] form.
+    logits = jnp.einsum("btkd,bthd->btkh", rows, q.astype(jnp.float32)) * scale
+    logits = jnp.where(valid[..., None], logits, -jnp.inf)
+    sink = sink.astype(jnp.float32)
+    m = jnp.maximum(jnp.max(logits, axis=2, keepdims=True), sink)
     p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
-    out = jnp.einsum("bthk,btkd->bthd", p / denom, rows)
+    denom = jnp.sum(p, axis=2, keepdims=True) + jnp.exp(sink - m)
+    out = jnp.einsum("btkh,btkd->bthd", p / denom, rows)
     return out.astype(q.dtype)

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_oracle import TINY
 
 import dsv4_jax
 from convert import CheckpointError, checkpoint_layout, official_name
 from convert.export_hf import write_hf_checkpoint
 from convert.safetensors_io import iter_file, write_safetensors
-from hf_oracle import TINY
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
 
