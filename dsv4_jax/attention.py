@@ -21,7 +21,8 @@ import pallas_kernels  # looked up at call time: pallas_kernels imports our prim
 
 from .config import CSA, ModelConfig
 from .indexer import indexer_scores, select_topk
-from .linear import dense
+from .layer_weights import with_weight
+from .linear import dense, weight_array
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import apply_rope, cos_sin
 
@@ -49,10 +50,13 @@ def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mod
     B, T = o.shape[:2]
     G = cfg.o_groups
     o = o.reshape(B, T, G, -1)
-    wo_a = p["wo_a"].reshape(G, cfg.o_lora_rank, -1)
-    z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
-    z = z.astype(wo_a.dtype).reshape(B, T, -1)
-    return dense(z, p["wo_b"])
+
+    def grouped(wo_a, o):
+        wo_a = weight_array(wo_a).reshape(G, cfg.o_lora_rank, -1)
+        z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
+        return z.astype(wo_a.dtype).reshape(B, T, -1)
+
+    return dense(with_weight(grouped, p["wo_a"], o), p["wo_b"])
 
 
 def window_indices(p0: jnp.ndarray, T: int, window: int) -> jnp.ndarray:
@@ -95,11 +99,19 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     prev = slice(0, ratio) if coff == 2 else None
     cos, sin = cos_sin((first + jnp.arange(n)) * ratio, freqs)
     cos, sin = jnp.broadcast_to(cos, (B,) + cos.shape), jnp.broadcast_to(sin, (B,) + sin.shape)
-    entries = pallas_kernels.compress(
-        span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
-        prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
-        out_dtype=x.dtype, impl=cfg.attention_impl)
-    entries = jnp.where((jnp.arange(n) < n_new)[None, :, None], entries, 0)  # incomplete blocks are NaN
+
+    def pool():
+        entries = pallas_kernels.compress(
+            span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
+            prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
+            out_dtype=x.dtype, impl=cfg.attention_impl)
+        return jnp.where((jnp.arange(n) < n_new)[None, :, None], entries, 0)  # incomplete blocks are NaN
+
+    if T == 1:  # decode completes a block on one step in `ratio`: pool only then
+        d = cp["norm"].shape[-1]
+        entries = jax.lax.cond(n_new > 0, pool, lambda: jnp.zeros((B, n, d), x.dtype))
+    else:
+        entries = pool()
     new_a = jax.lax.dynamic_slice_in_dim(span_a, n_new * ratio, coff * ratio, axis=1)
     new_z = jax.lax.dynamic_slice_in_dim(span_z, n_new * ratio, coff * ratio, axis=1)
     return entries, n_new, new_a, new_z

@@ -32,7 +32,6 @@ from .cache import init_cache
 from .config import ModelConfig
 from .generate import _decode_loop, _prefill, prefill_chunks
 from .hf_reference import make_model
-from .model import step
 
 # Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
 # 16 over 65536) on an 8-layer, 512-wide body: about 87 M parameters.
@@ -162,9 +161,6 @@ def bench_transformers(model, sizes: dict, vocab: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # our side
 
-_step = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
-
-
 def _prefill_all(params, cfg, ids: np.ndarray, max_len: int, cache=None):
     """generate()'s prefill: chunks of PREFILL_CHUNK then powers of two. Returns (logits, cache)."""
     B, S = ids.shape
@@ -231,24 +227,35 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         out[f"decode_b{b}"] = {"batch": b, "prompt": P, "new_tokens": n_new, "seconds": t,
                                "tokens_per_s": b * n_new / t, "ms_per_step": 1e3 * t / n_new, "runs_s": ts}
 
-    # decode step time at context C: an empty cache of max_len = C + 128 with pos set to C
+    # decode step time at context C: generate()'s decode loop over step_repeats tokens from an
+    # empty cache of max_len C + 128 with pos set to C (the work per step depends only on shapes
+    # and masks, not on the cache contents)
     steps = {}
-    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(1, 1)).astype(np.int32))
+    n = sizes["step_repeats"]
+    tok = rng.integers(0, cfg.vocab_size, size=(1,)).astype(np.int32)
     for C in sizes["contexts"]:
         max_len = C + 128
-        cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
-        c_s = _compile_seconds(_step, params, cache, tok, cfg, True)
-        logits, cache = _step(params, cache, tok, cfg, True)  # warm-up
-        jax.block_until_ready(logits)
-        times = []
-        for _ in range(sizes["step_repeats"]):
-            t0 = time.perf_counter()
-            logits, cache = _step(params, cache, tok, cfg, True)
-            jax.block_until_ready(logits)
-            times.append(time.perf_counter() - t0)
-        steps[str(C)] = {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-                         "steps_timed": len(times), "max_len": max_len, "compile_s": c_s}
-        del cache
+        buf = jnp.asarray(np.zeros((1, C + n), np.int32))
+        lengths = jnp.full((1,), C, i32)
+        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), i32(-1))
+
+        def setup():
+            cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
+            return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
+
+        logits, cache = setup()
+        c_s = _compile_seconds(_decode_loop, params, cache, logits, buf, lengths, i32(n), *extra)
+
+        def decode(s):
+            toks, n_gen, _ = _decode_loop(params, s[1], s[0], buf, lengths, i32(n), *extra)
+            jax.block_until_ready(toks)
+            assert int(n_gen[0]) == n
+
+        decode(setup())  # warm-up
+        t, ts = _median_time(decode, sizes["repeats"], setup)
+        steps[str(C)] = {"ms": 1e3 * t / n, "min_ms": 1e3 * min(ts) / n, "steps_timed": n * len(ts),
+                         "max_len": max_len, "compile_s": c_s}
+        del logits, cache
     out["decode_step"] = steps
     cs = [int(c) for c in steps]
     out["decode_step_growth_16k_over_1k"] = steps[str(max(cs))]["ms"] / steps[str(min(cs))]["ms"]
@@ -385,8 +392,9 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
         "position only; transformers: one forward of the whole prompt with use_cache=True, logits_to_keep=1.",
         "decode throughput: ours = generate()'s jitted _decode_loop (greedy) after a prefilled prompt; "
         "transformers = a greedy loop of model(next_token, cache=...) calls (no generate() overhead).",
-        "ours decode_step at context C: an empty cache of max_len C + 128 with cache['pos'] set to C (the work "
-        "per step depends only on shapes and masks, not on the cache contents); transformers: a real prefill of "
+        "ours decode_step at context C: generate()'s decode loop (step_repeats tokens, greedy) from an empty "
+        "cache of max_len C + 128 with cache['pos'] set to C (the work per step depends only on shapes and "
+        "masks, not on the cache contents), ms per token; transformers: a real prefill of "
         "C tokens, then single steps.",
         "torch threads: env.torch_threads (os.cpu_count() unless env.torch_thread_probe found the machine "
         "oversubscribed or --torch-threads forced it); XLA CPU uses its own thread pool over the same cores. "

@@ -19,6 +19,7 @@ import numpy as np
 
 from .cache import init_cache
 from .config import ModelConfig
+from .layer_weights import unstack_layers
 from .model import Model, step, with_options
 
 PREFILL_CHUNK = 512
@@ -115,6 +116,7 @@ def _decode_loop(params, cache, logits, buf, lengths, max_new, key, cfg, tempera
     buf int32 `[B, total]` holds the prompts and receives the generated tokens. Returns (buf,
     tokens generated per row, the cache)."""
     B, total = buf.shape
+    params = unstack_layers(params)
 
     def cond(s):
         cache, _, _, _, done, _ = s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .layer_weights import with_weight
 from .quantized import QuantizedWeight
 
 
@@ -18,7 +19,12 @@ def weight_array(w) -> jnp.ndarray:
 
 
 def dense(x: jnp.ndarray, w) -> jnp.ndarray:
-    """x `[..., in]`, w `[out, in]` (array or QuantizedWeight) -> `[..., out]` in w's dtype."""
+    """x `[..., in]`, w `[out, in]` (array, QuantizedWeight or LayerWeight) -> `[..., out]` in
+    w's dtype."""
+    return with_weight(_dense, w, x)
+
+
+def _dense(w, x: jnp.ndarray) -> jnp.ndarray:
     wd = weight_array(w)
     y = jnp.einsum("...i,oi->...o", x.astype(wd.dtype), wd, preferred_element_type=jnp.float32)
     return y.astype(wd.dtype)

@@ -3,9 +3,10 @@
 The stack is one `lax.scan` over layers. The body dispatches with `lax.switch` on the layer's
 kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
 each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
-...) and a layer reaches them through its kind-local index, carried in the scan's xs. Weights
-every layer has (`params["layers"]`) are scanned over. The last computed indexer top-k travels
-in the scan carry.
+...) and a layer reaches them through its kind-local index, carried in the scan's xs, as it
+reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU the
+decode loop keeps the large ones as one buffer per layer: dsv4_jax/layer_weights.py). The last
+computed indexer top-k travels in the scan carry.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .config import CSA, HCA, WINDOW, ModelConfig
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .cache import indexer_state_layers, init_cache
 from .index_cache import index_cache_schedule
+from .layer_weights import take_layer
 from .linear import dense
 from .moe import learned_choice, route, routed_experts, router_scores, shared_expert
 from .norms import rms_norm
@@ -63,11 +65,6 @@ class LayerSchedule:
                    index_local, (ratios != WINDOW).astype(np.int32), is_hash, route_local.astype(np.int32))
 
 
-def _take(tree, i):
-    """Row i of every stacked leaf of tree."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
 def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, route_local,
          cfg: ModelConfig) -> jnp.ndarray:
     """MoE of one layer on x `[B, S, D]` (already ffn-normed); ids `[B, S]` for hash routing."""
@@ -79,12 +76,12 @@ def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, r
     if "tid2eid" in params and "gate_bias" in params:
         experts = jax.lax.cond(
             is_hash,
-            lambda: _take(params["tid2eid"], route_local)[ids.reshape(-1)],
-            lambda: learned_choice(scores, _take(params["gate_bias"], route_local), k))
+            lambda: take_layer(params["tid2eid"], route_local)[ids.reshape(-1)],
+            lambda: learned_choice(scores, take_layer(params["gate_bias"], route_local), k))
     elif "tid2eid" in params:
-        experts = _take(params["tid2eid"], route_local)[ids.reshape(-1)]
+        experts = take_layer(params["tid2eid"], route_local)[ids.reshape(-1)]
     else:
-        experts = learned_choice(scores, _take(params["gate_bias"], route_local), k)
+        experts = learned_choice(scores, take_layer(params["gate_bias"], route_local), k)
     weights = route(scores, experts, cfg.routed_scaling_factor)
     routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit)
@@ -137,7 +134,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
 
     def csa(reuse: bool):
         def branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
-            own, c = _take(params["csa"], local), _take(caches["csa"], local)
+            own, c = take_layer(params["csa"], local), take_layer(caches["csa"], local)
             entries, n_new, sa, sz = attention.compress_chunk(
                 own["compressor"], x, c["state_a"], c["state_z"], p0, CSA, compress_freqs, cfg)
             out = {"csa": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
@@ -146,17 +143,17 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
             if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
                 ids = last_ids
                 if measure_reuse:
-                    ci = _take(caches["indexer"], index_local)
+                    ci = take_layer(caches["indexer"], index_local)
                     own_ids = attention.indexer_select(own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"],
                                                        ci["state_z"], p0, compress_freqs, cfg)[0]
                     overlap = attention.selection_overlap(own_ids, ids)
                 if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
-                    ci = _take(caches["indexer"], index_local)
+                    ci = take_layer(caches["indexer"], index_local)
                     keys, n_keys, isa, isz = attention.compress_chunk(
                         own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], p0, CSA, compress_freqs, cfg)
                     out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
             else:
-                ci = _take(caches["indexer"], index_local)
+                ci = take_layer(caches["indexer"], index_local)
                 ids, keys, n_keys, isa, isz = attention.indexer_select(
                     own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"], ci["state_z"], p0,
                     compress_freqs, cfg)
@@ -176,7 +173,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
         return branch
 
     def hca_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
-        own, c = _take(params["hca"], local), _take(caches["hca"], local)
+        own, c = take_layer(params["hca"], local), take_layer(caches["hca"], local)
         entries, n_new, sa, sz = attention.compress_chunk(
             own["compressor"], x, c["state_a"], c["state_z"], p0, HCA, compress_freqs, cfg)
         P = c["pool"].shape[1]
@@ -214,7 +211,8 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
 
     def body(carry, xs):
         h, caches, last_ids = carry
-        layer, branch, local, index_local, compressed_rope, is_hash, route_local = xs
+        i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
+        layer = take_layer(params["layers"], i)
         cos, sin = rope_tables[compressed_rope]
         hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
@@ -243,7 +241,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
 
     x = params["embed"][input_ids]
     h = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size))
-    xs = (params["layers"], jnp.asarray(sched.branch), jnp.asarray(sched.kind_local), jnp.asarray(sched.index_local),
+    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local), jnp.asarray(sched.index_local),
           jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash), jnp.asarray(sched.route_local))
     stacks = {k: v for k, v in cache.items() if k != "pos"}
     k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1

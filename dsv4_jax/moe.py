@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .layer_weights import with_weight
 from .linear import dense, weight_array
 
 
@@ -47,12 +48,18 @@ def _block_size(rows: int, n_experts: int) -> int:
     return b
 
 
+def _experts(w, ids: jnp.ndarray) -> jnp.ndarray:
+    """The experts `ids` of w `[E, ...]` as an array `[len(ids), ...]`. QuantizedWeight experts
+    are gathered still quantized, then dequantized."""
+    return with_weight(lambda w, ids: weight_array(w[ids]), w, ids)
+
+
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1: jnp.ndarray,
                    w2: jnp.ndarray, w3: jnp.ndarray, limit: float) -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`
-    (arrays or QuantizedWeights).
+    (arrays, QuantizedWeights or LayerWeights).
     Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert into blocks of b rows
     that each belong to one expert, so the work is T*k rows (plus at most b-1 padding rows per
     expert), never all experts for every token. The routing weight multiplies the activation
@@ -81,14 +88,13 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
 
     x_pad = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
     xs = x_pad[slot_token].reshape(n_blocks, b, -1)
-    # QuantizedWeight experts: gather the blocks' experts still quantized, then dequantize them
-    h1 = jnp.einsum("nbd,nid->nbi", xs.astype(w1.dtype), weight_array(w1[block_expert]),
+    h1 = jnp.einsum("nbd,nid->nbi", xs.astype(w1.dtype), _experts(w1, block_expert),
                     preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("nbd,nid->nbi", xs.astype(w3.dtype), weight_array(w3[block_expert]),
+    h3 = jnp.einsum("nbd,nid->nbi", xs.astype(w3.dtype), _experts(w3, block_expert),
                     preferred_element_type=jnp.float32)
     h1, h3 = h1.astype(w1.dtype), h3.astype(w3.dtype)
     h = swiglu(h1, h3, limit) * slot_weight.reshape(n_blocks, b, 1)
-    y = jnp.einsum("nbi,ndi->nbd", h.astype(w2.dtype), weight_array(w2[block_expert]),
+    y = jnp.einsum("nbi,ndi->nbd", h.astype(w2.dtype), _experts(w2, block_expert),
                    preferred_element_type=jnp.float32)
     y = y.astype(w2.dtype).astype(jnp.float32).reshape(n_blocks * b, -1)
     out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y)

@@ -21,6 +21,7 @@ from convert.export_hf import official_config
 from convert.names import checkpoint_layout
 from convert.safetensors_io import iter_file, write_safetensors
 from dsv4_jax.loading import load_mtp
+from dsv4_jax.quantized import QuantizedWeight
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
 
@@ -529,6 +530,28 @@ def test_native_logits_equal_dequantized(native, converted):
     m16 = dsv4_jax.load(native, dtype=jnp.bfloat16)
     assert m16.params["layers"]["ffn"]["w1"].dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(m16(ids))).all()
+
+
+def test_native_decode_with_per_layer_weights(native, converted, monkeypatch):
+    """The CPU decode loop splits the large weights into one buffer per layer
+    (dsv4_jax/layer_weights.py), QuantizedWeights included. With every weight split, and with
+    none, greedy tokens from the native checkpoint equal those of the float32 conversion."""
+    from dsv4_jax import layer_weights
+
+    prompts = [list(map(int, np.random.default_rng(6).integers(0, CFG.vocab_size, n))) for n in (9, 30)]
+    rows = {}
+    for name, min_elements in (("all", 0), ("none", 1 << 62)):
+        monkeypatch.setattr(layer_weights, "MIN_ELEMENTS", min_elements)
+        jax.clear_caches()  # the threshold is read at trace time
+        native_model = dsv4_jax.load(native)
+        if name == "all":
+            split = layer_weights.unstack_layers(native_model.params)
+            assert isinstance(split["layers"]["ffn"]["w1"], layer_weights.PerLayer)
+            assert isinstance(split["layers"]["ffn"]["w1"].parts[0], QuantizedWeight)
+        rows[name] = dsv4_jax.generate(native_model, prompts, 12).rows()
+    rows["float32"] = dsv4_jax.generate(dsv4_jax.load(converted), prompts, 12).rows()
+    assert rows["all"] == rows["none"] == rows["float32"]
+    jax.clear_caches()
 
 
 def test_native_mtp_and_float_source(native, quantized, tmp_path):

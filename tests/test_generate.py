@@ -17,6 +17,7 @@ import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.cache import cache_bytes, init_cache
 from dsv4_jax.generate import _decode_loop, prefill_chunks, sample_logits
+from dsv4_jax.layer_weights import PerLayer, unstack_layers
 from dsv4_jax.model import forward, step
 
 _step = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
@@ -200,6 +201,39 @@ def test_decode_has_no_cache_sized_copy():
                               jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
                               i32(-1)).compile().as_text()
     assert _cache_copies(loop, cache) == []
+
+
+def _weight_slices(hlo: str, shapes: set[str]) -> list[str]:
+    """Dynamic-slice instructions (ops or fusions, by name) whose result has one of `shapes` (a
+    layer's weight): a layer's weight copied out of its stack inside the layer loop."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = f32\[([\d,]*)\]", line)
+        if m and re.search(r"dynamic[-_]slice", m.group(1)) and m.group(2) in shapes:
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_cpu_decode_reads_weights_in_place():
+    """layer_weights.py: on CPU the decode loop splits the large stacked weights into one
+    buffer per layer before its while_loop, so no layer's weight is sliced out (copied) per
+    token; the plain step (stacked weights) does slice them, which is what this guards."""
+    cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
+    params = jax.tree.map(jnp.asarray, dsv4_jax.init_params(cfg, seed=0))
+    split = unstack_layers(params)
+    per_layer = [x for x in jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, PerLayer))
+                 if isinstance(x, PerLayer)]
+    assert per_layer
+    shapes = {",".join(map(str, x.parts[0].shape)) for x in per_layer}
+    cache = init_cache(cfg, 2, 1024)
+    i32, f32 = jnp.int32, jnp.float32
+    stepped = jax.jit(step, static_argnums=(3, 4)).lower(
+        params, cache, jnp.zeros((2, 1), i32), cfg, True).compile().as_text()
+    assert _weight_slices(stepped, shapes)  # the stacked layout does copy slices out
+    loop = _decode_loop.lower(params, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 64), i32),
+                              jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
+                              i32(-1)).compile().as_text()
+    assert _weight_slices(loop, shapes) == []
 
 
 def test_cache_bytes_follow_kinds():

@@ -1,0 +1,95 @@
+"""One buffer per layer for the large weights, for the decode loop on CPU.
+
+Inside the layer scan a layer reads its weights out of the stacked arrays with a dynamic slice.
+TPU and GPU compilers fuse that slice into the matmul that consumes it; XLA:CPU does not: it
+copies the layer's slice of every weight before each matmul, and on a decode step (a handful
+of rows per weight) those copies cost more than the matmuls themselves. So the decode loop
+splits the large stacked weights into one array per layer once, before its `while_loop`
+(`unstack_layers`: a `PerLayer` leaf), and a layer reaches its own with a `lax.switch` over the
+layers wrapped around the op that reads it (`LayerWeight.apply`): each branch reads its buffer
+in place. The split costs one copy of those weights per `generate` call, held while it runs.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .quantized import QuantizedWeight
+
+# Matmul weights (named w*, shared_w*) whose per-layer slice has at least this many elements
+# get their own buffers; smaller ones (the indexer's head weights) are cheap to slice.
+MIN_ELEMENTS = 1 << 16
+STACKS = ("layers", "csa", "hca")  # the params subtrees stacked over (kind-local) layers
+
+
+@struct.dataclass
+class PerLayer:
+    """A stacked weight `[L, ...]` as L arrays (or QuantizedWeights) `[...]`."""
+
+    parts: tuple
+
+
+@struct.dataclass
+class LayerWeight:
+    """Layer i's weight from a PerLayer: `.apply(fn, *args)` is fn(the weight, *args)."""
+
+    parts: tuple
+    index: jnp.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parts[0].shape
+
+    @property
+    def dtype(self):
+        return self.parts[0].dtype
+
+    def astype(self, dtype) -> "LayerWeight":
+        return LayerWeight(tuple(p.astype(dtype) for p in self.parts), self.index)
+
+    def apply(self, fn, *args):
+        return jax.lax.switch(self.index, [partial(fn, p) for p in self.parts], *args)
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (QuantizedWeight, PerLayer))
+
+
+def unstack_layers(params: dict) -> dict:
+    """params with the large leaves of the layer stacks (`STACKS`) split into PerLayer leaves
+    when running on CPU; unchanged elsewhere."""
+    if jax.default_backend() != "cpu":
+        return params
+
+    def split(path, x):
+        name = path[-1].key
+        if (isinstance(x, PerLayer) or not name.removeprefix("shared_").startswith("w")
+                or math.prod(x.shape[1:]) < MIN_ELEMENTS):
+            return x
+        return PerLayer(tuple(x[i] for i in range(x.shape[0])))
+
+    return {k: jax.tree.map_with_path(split, v, is_leaf=_is_leaf) if k in STACKS else v
+            for k, v in params.items()}
+
+
+def take_layer(tree, i: jnp.ndarray):
+    """Layer i of every leaf of a stacked tree: a slice of a stacked array, or a LayerWeight."""
+
+    def take(x):
+        if isinstance(x, PerLayer):
+            return LayerWeight(x.parts, i)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), x)
+
+    return jax.tree.map(take, tree, is_leaf=_is_leaf)
+
+
+def with_weight(fn, w, *args):
+    """fn(w, *args), for w an array, a QuantizedWeight or a LayerWeight."""
+    if isinstance(w, LayerWeight):
+        return w.apply(fn, *args)
+    return fn(w, *args)
