@@ -8,8 +8,8 @@ j < (t + 1) // ratio, so a block's entry is visible from the token that complete
 completed inside the chunk are computed here and attended to directly (the cache is only read);
 the caller stores them afterwards.
 
-A query's keys are one index row into `kv_rows` = [ring (W rows) | chunk (T rows) | compressed
-rows], fed to one sparse attention with the per-head sink.
+A query's keys are its window and its compressed rows, in one softmax with the per-head sink
+(`attend`).
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     return entries, n_new, new_a, new_z
 
 
-def entry_rows(ids: jnp.ndarray, first_new: jnp.ndarray, offset: int, pool_len: int) -> jnp.ndarray:
-    """Maps absolute entry ids (-1: none) to rows of [... (offset rows) | pool | new entries]:
-    entries before `first_new` live in the pool, later ones among the new entries."""
-    rows = jnp.where(ids < first_new, offset + ids, offset + pool_len + ids - first_new)
+def entry_rows(ids: jnp.ndarray, first_new: jnp.ndarray, pool_len: int) -> jnp.ndarray:
+    """Maps absolute entry ids (-1: none) to rows of [pool | new entries]: entries before
+    `first_new` live in the pool, later ones among the new entries."""
+    rows = jnp.where(ids < first_new, ids, pool_len + ids - first_new)
     return jnp.where(ids >= 0, rows, -1)
 
 
@@ -162,8 +162,77 @@ def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
     return jnp.sum(jnp.where(has, frac, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 
 
-def attend(q: jnp.ndarray, kv_rows: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray,
-           cfg: ModelConfig) -> jnp.ndarray:
-    """Sparse attention of q `[B, T, H, Dh]` over the kv rows named by indices `[B, T, K]`."""
-    return pallas_kernels.sparse_attention(q, kv_rows, indices, sink, scale=cfg.head_dim ** -0.5,
-                                           impl=cfg.attention_impl)
+def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
+           comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Attention of the chunk's queries q `[B, T, H, Dh]` (positions p0 ..) over their window
+    (ring `[B, W, Dh]`, slot s % W holding position s < p0; the chunk's own rows kv `[B, T, Dh]`)
+    and, for compressed layers, the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows
+    `[B, Nc, Dh]`; one softmax with the per-head sink.
+
+    Decode (T = 1) and the Pallas kernels take the index form: one row of indices per query into
+    [ring | chunk | compressed rows] (`pallas_kernels.sparse_attention`). A chunk on the plain
+    XLA path (impl "ref", or "auto" off TPU / GPU) computes the same sum with the window part as
+    dense products over blocks of consecutive queries (`_window_blocked`): gathering W rows of
+    Dh per query costs several times more than the matmuls on CPU.
+    """
+    T, W = q.shape[1], ring.shape[1]
+
+    def indexed():
+        idx = jnp.broadcast_to(window_indices(p0, T, W), q.shape[:2] + (W,))
+        rows = [ring, kv]
+        if comp_rows is not None:
+            idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + W + T, -1)], axis=-1)
+            rows.append(comp_rows)
+        return pallas_kernels.sparse_attention(q, jnp.concatenate(rows, axis=1), idx, sink,
+                                               scale=cfg.head_dim ** -0.5, impl=cfg.attention_impl)
+
+    def blocked():
+        return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5)
+
+    if T == 1 or cfg.attention_impl == "pallas":
+        return indexed()
+    if cfg.attention_impl == "ref":
+        return blocked()
+    return jax.lax.platform_dependent(tpu=indexed, cuda=indexed, default=blocked)
+
+
+def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale):
+    """`attend` for T > 1 in plain XLA, fp32. The window keys, in position order, are
+    seq = [ring by position (p0 - W ..) | chunk], row m at position p0 - W + m; the query at
+    chunk row i is seq row W + i and sees seq rows i + 1 .. i + W. Queries go in blocks of
+    Bq = min(T, W): block n sees the Bq + W rows from seq row n * Bq, one matmul per block."""
+    B, T, H, D = q.shape
+    W = ring.shape[1]
+    bq = min(T, W)
+    nb = -(-T // bq)
+    tp = nb * bq
+    f32 = jnp.float32
+    ring_by_pos = jnp.take(ring, (p0 + jnp.arange(W, dtype=jnp.int32)) % W, axis=1)
+    seq = jnp.concatenate([ring_by_pos, kv, jnp.zeros((B, tp - T, D), kv.dtype)], axis=1).astype(f32)
+    k1 = bq + W
+    start = jnp.arange(nb, dtype=jnp.int32) * bq
+    key_rows = start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]  # [nb, k1] into seq
+    blocks = jnp.take(seq, key_rows, axis=1)  # [B, nb, k1, D]
+    r, m = jnp.arange(bq)[:, None], jnp.arange(k1)[None, :]
+    visible = ((m >= r + 1) & (m <= r + W))[None] & (p0 - W + key_rows >= 0)[:, None, :]  # [nb, bq, k1]
+    qf = jnp.pad(q.astype(f32), ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, D)
+    lw = jnp.einsum("bnqhd,bnkd->bnqhk", qf, blocks) * scale
+    lw = jnp.where(visible[None, :, :, None, :], lw, -jnp.inf).reshape(B, tp, H, k1)[:, :T]
+    sink = sink.astype(f32)
+    m_all = jnp.maximum(jnp.max(lw, axis=-1), sink)  # [B, T, H]
+    if comp_rows is not None:
+        valid = comp_idx >= 0
+        rows = jnp.take_along_axis(comp_rows[:, None], jnp.where(valid, comp_idx, 0)[..., None], axis=2)
+        rows = rows.astype(f32)  # [B, T, Kc, D]
+        lc = jnp.einsum("btkd,bthd->btkh", rows, q.astype(f32)) * scale
+        lc = jnp.where(valid[..., None], lc, -jnp.inf)
+        m_all = jnp.maximum(m_all, jnp.max(lc, axis=2))
+    pw = jnp.exp(lw - m_all[..., None])
+    denom = jnp.sum(pw, axis=-1) + jnp.exp(sink - m_all)
+    pw = jnp.pad(pw, ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, k1)
+    out = jnp.einsum("bnqhk,bnkd->bnqhd", pw, blocks).reshape(B, tp, H, D)[:, :T]
+    if comp_rows is not None:
+        pc = jnp.exp(lc - m_all[:, :, None, :])
+        denom = denom + jnp.sum(pc, axis=2)
+        out = out + jnp.einsum("btkh,btkd->bthd", pc, rows)
+    return (out / denom[..., None]).astype(q.dtype)

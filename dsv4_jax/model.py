@@ -107,7 +107,6 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     positions = p0 + jnp.arange(T, dtype=jnp.int32)
     rope_tables = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)),
                              jnp.stack(cos_sin(positions, compress_freqs))])  # [2, 2, T, rope/2]
-    window_idx = jnp.broadcast_to(attention.window_indices(p0, T, W), (B, T, W))
 
     n_keep = min(T, W)
     n4, n128 = (T + CSA - 1) // CSA, (T + HCA - 1) // HCA
@@ -129,7 +128,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
 
     def window_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
         ring = caches["window"]["ring"][local]
-        o = attention.attend(q, jnp.concatenate([ring, kv], axis=1), window_idx, sink, cfg)
+        o = attention.attend(q, ring, kv, None, None, sink, p0, cfg)
         return o, last_ids, payloads({"window": {"ring_rows": kv[:, T - n_keep:]}}), jnp.float32(jnp.nan)
 
     def csa(reuse: bool):
@@ -163,12 +162,12 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
                 rows = jnp.where((ids < first)[..., None],
                                  jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
                                  jnp.take_along_axis(entries[:, None], jnp.clip(ids - first, 0)[..., None], axis=2))
-                kv_rows = jnp.concatenate([c["ring"], kv, rows[:, 0]], axis=1)
-                comp_idx = jnp.where(ids >= 0, W + T + jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
+                comp_rows = rows[:, 0]
+                comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
             else:
-                kv_rows = jnp.concatenate([c["ring"], kv, c["pool"], entries], axis=1)
-                comp_idx = attention.entry_rows(ids, first, W + T, c["pool"].shape[1])
-            o = attention.attend(q, kv_rows, jnp.concatenate([window_idx, comp_idx], axis=-1), sink, cfg)
+                comp_rows = jnp.concatenate([c["pool"], entries], axis=1)
+                comp_idx = attention.entry_rows(ids, first, c["pool"].shape[1])
+            o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
             return o, ids, payloads(out), overlap
         return branch
 
@@ -179,9 +178,9 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
         P = c["pool"].shape[1]
         ids = jnp.arange(P, dtype=jnp.int32)
         ids = jnp.where(ids[None, :] < attention.visible_entries(p0, T, HCA)[:, None], ids[None, :], -1)
-        comp_idx = jnp.broadcast_to(attention.entry_rows(ids, p0 // HCA, W + T, P), (B, T, P))
-        kv_rows = jnp.concatenate([c["ring"], kv, c["pool"], entries], axis=1)
-        o = attention.attend(q, kv_rows, jnp.concatenate([window_idx, comp_idx], axis=-1), sink, cfg)
+        comp_idx = jnp.broadcast_to(attention.entry_rows(ids, p0 // HCA, P), (B, T, P))
+        comp_rows = jnp.concatenate([c["pool"], entries], axis=1)
+        o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
         return o, last_ids, payloads({"hca": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
                                               "state_a": sa, "state_z": sz}}), jnp.float32(jnp.nan)
 

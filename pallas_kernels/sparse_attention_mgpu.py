@@ -4,27 +4,41 @@ Why no tensor cores: wgmma wants both operands in tiled + swizzled SMEM, and the
 arrive one by one (arbitrary rows), which a TMA into tiled SMEM refuses (slices must cover whole
 8-row tiles). A re-layout through registers (plgpu.load with optimized=False, then a store into
 swizzled SMEM) does export (mgpu_probe.py wgmma_unopt) but was found too late; see README.md, GPU
-status. Decode at H = 64 is memory bound anyway (each gathered row serves only 64 heads), so this
-kernel does all products on the CUDA cores, in fp32, out of plain (untiled, unswizzled) SMEM.
+status. Decode is memory bound anyway (each gathered row serves only H = 64 or 128 heads), so
+this kernel does all products on the CUDA cores, in fp32, out of plain (untiled, unswizzled) SMEM.
 
-Grid `(B * T, D // DV)`, one warpgroup (128 threads) per block. Block (bt, v) handles token bt,
-all H = 64 heads, and output columns [v * DV, (v + 1) * DV):
-  * TMA once per block: the token's index row `[K_pad / 128, 128]` int32, q `[H, D / 256, 256]`
-    (a TMA box is at most 256 elements per dimension, so the D axis is viewed as D / 256 x 256)
-    and the sink `[H]` f32.
-  * For each block of BK keys: one TMA per *valid* key copies its kv row `[1, D / 256, 256]` into
-    the plain SMEM buffer `[BK, D / 256, 256]` (a slot holding -1 only arrives on the barrier, with
+Heads come in groups of 64 (one WGMMA register tile). The wrapper pads H up to G = ceil(H / 64)
+groups with zero q rows and a zero sink and slices the padded heads off the output, so every
+H >= 1 runs the kernel: Flash (H = 64) is one group, Pro (H = 128) two, a small test model
+(H = 2..16) one padded group.
+
+Grid `(G * D // DV, B * T)`, one warpgroup (128 threads) per block; the token axis is the
+minor one, so it maps to CUDA's x dimension (up to 2^31 - 1 blocks; y allows only 65535).
+Block (gv, bt), with g = gv // (D / DV) and v = gv % (D / DV), handles token bt, heads
+[64 g, 64 g + 64) and output columns [v * DV, (v + 1) * DV):
+  * TMA once per block: the token's index row `[K_pad / 128, 128]` int32, the group's q
+    `[64, D / BOX, BOX]` (a TMA box is at most 256 elements per dimension, so the D axis is viewed
+    as D / BOX x BOX, BOX = 256 if it divides D, else 128) and the group's sink `[64]` f32.
+  * For each block of BK keys: one TMA per *valid* key copies its kv row `[1, D / BOX, BOX]` into
+    the plain SMEM buffer `[BK, D / BOX, BOX]` (a slot holding -1 only arrives on the barrier, with
     no copy). The barrier expects BK arrivals.
-  * Logits `[H, BK]` over the full D, in chunks of 64 columns: a q chunk `[H, 64]` (WGMMA register
-    layout, loaded from SMEM) times the row chunk broadcast along heads, reduced over the chunk.
-    Every block recomputes all D of the logits (D / DV times redundant FMA work, same as the number
-    of blocks per token).
+  * Logits `[64, BK]` over the full D, in chunks of 64 columns: a q chunk `[64, 64]` (WGMMA
+    register layout, loaded from SMEM) times the row chunk broadcast along heads, reduced over the
+    chunk. Every block recomputes all D of the logits (D / DV times redundant FMA work, same as the
+    number of column blocks per token and group).
   * Online softmax per head in fp32. The running max starts at the sink and the running sum at 1,
     so the sink enters only the denominator and a row with no valid key gives exactly 0. Invalid
     slots get logit -inf (probability exactly 0).
-  * acc `[H, DV]` f32 lives in registers (64 per thread at DV = 128): acc = alpha acc + sum_j p_j
+  * acc `[64, DV]` f32 lives in registers (64 per thread at DV = 128): acc = alpha acc + sum_j p_j
     row_j[v-cols].
-The output `[H, DV]` is stored straight from registers to GMEM in q's dtype.
+The output `[64, DV]` is stored straight from registers to GMEM in q's dtype. The G head groups
+of a token gather the same rows (each group its own copies; they share them only through L2).
+
+Supported: any H >= 1, D a multiple of 128 (DeepSeek-V4: D = 512), K up to MAX_K = 32768
+(padded with -1 to a multiple of 128; the index row's TMA box has at most 256 rows of 128).
+Falls back to the reference only for D not a multiple of 128 (the column blocks are 128 wide),
+K > MAX_K, or H = 0; the fallback never raises, since the dispatcher traces this branch on every
+platform.
 
 Numerics match sparse_attention_ref up to fp32 summation order (products in fp32 of the stored
 q / kv values).
@@ -48,15 +62,20 @@ BLOCK_K = 16  # keys per TMA batch / softmax update
 DV = 128  # output columns per block: acc [64, 128] f32 = 64 registers per thread
 CHUNK = 64  # columns per register tile for the logits
 TMA_BOX = 256  # max elements per dimension of one TMA copy
-HEADS = 64  # WGMMA register layout rows (one warpgroup)
+HEADS = 64  # heads per group: WGMMA register layout rows (one warpgroup)
+MAX_K = TMA_BOX * 128  # the index row is one TMA box [K_pad / 128, 128]
 
 _TILE = plgpu.Layout.WGMMA  # [64, n] register tile
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # [64]: one value per head
 _COL = plgpu.Layout.WGMMA.reduce(0)  # [n]: one value per column, replicated over heads
 
 
-def supported(h: int, d: int) -> bool:
-    return h == HEADS and d % TMA_BOX == 0
+def supported(h: int, d: int, k: int = 0) -> bool:
+    return h >= 1 and d % DV == 0 and k <= MAX_K
+
+
+def _box(d: int) -> int:  # elements per TMA box along D (the last dimension of the D view)
+    return TMA_BOX if d % TMA_BOX == 0 else DV
 
 
 class _Layouts:
@@ -89,17 +108,22 @@ def _cols(x, n):  # [n] per column -> [64, n]
 
 
 def _kernel(q_g, kv_g, idx_g, sink_g, o_g, idx_s, q_s, sink_s, buf, setup_bar, row_bar, *, scale: float, t_len: int,
-            block_k: int, n_blocks: int, d: int, lay: _Layouts):
+            block_k: int, n_blocks: int, d: int, groups: int, lay: _Layouts):
     bt = lax.axis_index("bt")
-    v = lax.axis_index("v")
+    gv = lax.axis_index("gv")
+    n_v = d // DV
+    g = gv // n_v
+    v = gv % n_v
     b = bt // t_len
     f32 = jnp.float32
     n_chunks = d // CHUNK
-    per_box = TMA_BOX // CHUNK
+    box = _box(d)
+    per_box = box // CHUNK
+    qg = bt * groups + g  # row of the [B * T * G, 64, D / BOX, BOX] q view (and of the output)
 
     plgpu.copy_gmem_to_smem(idx_g.at[bt], idx_s, setup_bar)
-    plgpu.copy_gmem_to_smem(q_g.at[bt], q_s, setup_bar)
-    plgpu.copy_gmem_to_smem(sink_g, sink_s, setup_bar)
+    plgpu.copy_gmem_to_smem(q_g.at[qg], q_s, setup_bar)
+    plgpu.copy_gmem_to_smem(sink_g.at[g], sink_s, setup_bar)
     plgpu.barrier_wait(setup_bar)
 
     col_iota = lay.iota((HEADS, block_k), 1, _TILE)
@@ -150,7 +174,7 @@ def _kernel(q_g, kv_g, idx_g, sink_g, o_g, idx_s, q_s, sink_s, buf, setup_bar, r
         def pv(j, acc):
             p_j = jnp.sum(jnp.where(col_iota == j, p, 0.0), axis=1)
             col = v * DV
-            rv = lay.load(buf, (j, col // TMA_BOX, pl.ds(col % TMA_BOX, DV)), _COL).astype(f32)
+            rv = lay.load(buf, (j, col // box, pl.ds(col % box, DV)), _COL).astype(f32)
             # An invalid slot's buffer row is stale or uninitialised SMEM (possibly NaN / inf):
             # p_j = 0 is not enough, the row itself must be zeroed.
             rv = jnp.where(row_of(j) >= 0, rv, 0.0)
@@ -161,19 +185,20 @@ def _kernel(q_g, kv_g, idx_g, sink_g, o_g, idx_s, q_s, sink_s, buf, setup_bar, r
 
     _, l, acc = lax.fori_loop(0, n_blocks, key_block, (m0, l0, acc0))
     out = (acc / _rows(l, DV)).astype(o_g.dtype)
-    o_g[bt, :, pl.ds(v * DV, DV)] = out
+    o_g[qg, :, pl.ds(v * DV, DV)] = out
 
 
 def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, interpret=None, block_k: int = BLOCK_K):
-    """Same contract as `sparse_attention_ref`; the Mosaic GPU kernel for H = 64 and D a multiple of
-    256 (DeepSeek-V4: H = 64, D = 512), the reference otherwise. interpret: None, or a
-    GPU-interpret params object (`InterpretGPUParams`: runs the kernel on CPU)."""
+    """Same contract as `sparse_attention_ref`; the Mosaic GPU kernel for any H (in groups of 64
+    heads, padded) and D a multiple of 128 (DeepSeek-V4: H = 64 or 128, D = 512), the reference
+    otherwise. interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the
+    kernel on CPU)."""
     bsz, t_len, h, d = q.shape
     n = kv.shape[1]
     k = indices.shape[-1]
-    if not supported(h, d):
-        # Shapes outside the kernel's register tiling (H != 64, D not a multiple of 256) use the
-        # reference; the dispatcher traces this branch on every platform, so it must not raise.
+    if not supported(h, d, k):
+        # D not a multiple of 128 (the output column blocks are 128 wide), K > MAX_K or H = 0 use
+        # the reference; the dispatcher traces this branch on every platform, so it must not raise.
         return sparse_attention_ref(q, kv, indices, sink, scale=scale)
     if block_k % 8 or 128 % block_k:  # [64, BK] register tiles have 8-column tiles; BK | K_pad
         raise ValueError(f"block_k must be a multiple of 8 dividing 128, got {block_k}")
@@ -181,25 +206,33 @@ def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, interpret=None,
     idx = indices.astype(jnp.int32)
     if k_pad != k:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=-1)
+    groups = pl.cdiv(h, HEADS)
+    h_pad = groups * HEADS
+    sink = sink.astype(jnp.float32)
+    if h_pad != h:  # padded heads: zero q rows and sink, sliced off the output below
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, h_pad - h), (0, 0)))
+        sink = jnp.pad(sink, (0, h_pad - h))
     bt = bsz * t_len
-    boxes = d // TMA_BOX
+    box = _box(d)
+    boxes = d // box
     kernel = functools.partial(_kernel, scale=float(scale), t_len=t_len, block_k=block_k,
-                               n_blocks=k_pad // block_k, d=d, lay=_Layouts(interpret is not None))
+                               n_blocks=k_pad // block_k, d=d, groups=groups, lay=_Layouts(interpret is not None))
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((bt, h, d), q.dtype),
-        grid=(bt, d // DV),
-        grid_names=("bt", "v"),
+        out_type=jax.ShapeDtypeStruct((bt * groups, HEADS, d), q.dtype),
+        grid=(groups * (d // DV), bt),
+        grid_names=("gv", "bt"),
         scratch_types=[
             plgpu.SMEM((k_pad // 128, 128), jnp.int32),
-            plgpu.SMEM((h, boxes, TMA_BOX), q.dtype),
-            plgpu.SMEM((h,), jnp.float32),
-            plgpu.SMEM((block_k, boxes, TMA_BOX), kv.dtype),
+            plgpu.SMEM((HEADS, boxes, box), q.dtype),
+            plgpu.SMEM((HEADS,), jnp.float32),
+            plgpu.SMEM((block_k, boxes, box), kv.dtype),
             plgpu.Barrier(num_arrivals=3),  # idx, q, sink
             plgpu.Barrier(num_arrivals=block_k),  # one arrival per key slot (copy or not)
         ],
         interpret=interpret,
         kernel_name="dsv4_sparse_attention",
-    )(q.reshape(bt, h, boxes, TMA_BOX), kv.reshape(bsz, n, boxes, TMA_BOX), idx.reshape(bt, k_pad // 128, 128),
-      sink.astype(jnp.float32))
-    return out.reshape(bsz, t_len, h, d)
+    )(q.reshape(bt * groups, HEADS, boxes, box), kv.reshape(bsz, n, boxes, box), idx.reshape(bt, k_pad // 128, 128),
+      sink.reshape(groups, HEADS))
+    out = out.reshape(bsz, t_len, h_pad, d)
+    return out[:, :, :h] if h_pad != h else out

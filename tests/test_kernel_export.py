@@ -1,6 +1,7 @@
-"""The Pallas kernels lower for TPU and CUDA at DeepSeek-V4-Flash shapes, checked on CPU with
-jax.export (no accelerator needed): the export must succeed and the module must carry the
-backend's custom call (tpu_custom_call for Mosaic TPU, mosaic_gpu for Mosaic GPU).
+"""The Pallas kernels lower for TPU and CUDA at DeepSeek-V4-Flash shapes (the sparse attention
+also at DeepSeek-V4-Pro shapes), checked on CPU with jax.export (no accelerator needed): the
+export must succeed and the module must carry the backend's custom call (tpu_custom_call for
+Mosaic TPU, mosaic_gpu for Mosaic GPU).
 
 Note what this does and does not prove. For TPU, export runs the Pallas -> Mosaic lowering
 (block-shape rules, the kernel traced into the tpu dialect); Mosaic's own layout passes and the
@@ -21,9 +22,9 @@ from pallas_kernels import (
     sparse_attention_mgpu_status,
 )
 
-H, D, WINDOW, TOPK = 64, 512, 128, 512
-K = WINDOW + TOPK
-N_DECODE = WINDOW + 4096 // 4  # the decode cache: 128 window slots + compressed entries
+D, WINDOW = 512, 128
+# (heads, top-k, compressed cache entries at decode) of DeepSeek-V4-Flash and DeepSeek-V4-Pro
+MODELS = {"flash": (64, 512, 4096 // 4), "pro": (128, 1024, 8192 // 4)}
 S_PREFILL = 16
 MARKERS = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu"}
 
@@ -42,12 +43,29 @@ def _expect_kernel(platform, text, have_gpu_kernel, what):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("t, n", [(1, N_DECODE), (S_PREFILL, S_PREFILL + S_PREFILL // 4)], ids=["decode", "prefill"])
-def test_sparse_attention_exports(platform, t, n):
-    args = (jax.ShapeDtypeStruct((1, t, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((1, n, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, t, K), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32))
+@pytest.mark.parametrize("model", ["flash", "pro"])
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_sparse_attention_exports(platform, model, phase):
+    # K = 128 window slots + top-k: 640 (Flash), 1152 (Pro). Decode: T = 1 over the window plus
+    # the compressed cache; prefill: T = 16 tokens over themselves plus 16 / 4 compressed entries.
+    h, topk, compressed = MODELS[model]
+    k = WINDOW + topk
+    t, n = (1, WINDOW + compressed) if phase == "decode" else (S_PREFILL, S_PREFILL + S_PREFILL // 4)
+    args = (jax.ShapeDtypeStruct((1, t, h, D), jnp.bfloat16), jax.ShapeDtypeStruct((1, n, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, t, k), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     text = _export(lambda *x: sparse_attention(*x, scale=D ** -0.5, impl="pallas"), platform, *args)
     _expect_kernel(platform, text, sparse_attention_mgpu_status(), "sparse attention")
+
+
+@pytest.mark.parametrize("h, d", [(8, 512), (96, 384)])
+def test_sparse_attention_mgpu_other_shapes_export(h, d):
+    # The Mosaic GPU kernel's head padding (8 -> one group of 64, 96 -> two groups) and the
+    # 128-wide TMA boxes for D not a multiple of 256 lower too (not the reference fallback).
+    t, n, k = 2, 300, 200
+    args = (jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, t, k), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
+    text = _export(lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas"), "cuda", *args)
+    _expect_kernel("cuda", text, sparse_attention_mgpu_status(), "sparse attention")
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

@@ -45,12 +45,14 @@ def interpret():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_sparse_attention_mgpu_interpret(interpret, dtype):
-    # H = 64 (one WGMMA register tile of heads), D = 256 (two 128-column output blocks), K = 40
-    # padded to 128 (4 key blocks of 32). Token (0, 1) has no valid key; -1 slots and duplicate
-    # rows are mixed in elsewhere.
-    b, t, h, d, n, k = 2, 2, 64, 256, 24, 40
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+@pytest.mark.parametrize("h, d", [(64, 256), (128, 256), (8, 384)], ids=["h64", "h128", "h8-pad"])
+def test_sparse_attention_mgpu_interpret(interpret, dtype, h, d):
+    # H = 64: one head group (one WGMMA register tile of heads). H = 128: two head groups, each
+    # gathering the same rows. H = 8: one group padded to 64 heads (zero q and sink), with D = 384
+    # viewed as 3 TMA boxes of 128 (3 output column blocks). K = 40 padded to 128 (4 key blocks of
+    # 32). Token (0, 1) has no valid key; -1 slots and duplicate rows are mixed in elsewhere.
+    b, t, n, k = 2, 2, 24, 40
+    ks = jax.random.split(jax.random.PRNGKey(h + d), 4)
     q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
     kv = jax.random.normal(ks[1], (b, n, d), jnp.float32).astype(dtype)
     idx = jax.random.randint(ks[2], (b, t, k), -1, n).astype(jnp.int32)
@@ -58,7 +60,7 @@ def test_sparse_attention_mgpu_interpret(interpret, dtype):
     sink = jax.random.normal(ks[3], (h,), jnp.float32)
     out = sparse_attention_mgpu(q, kv, idx, sink, scale=d ** -0.5, interpret=interpret, block_k=32)
     ref = sparse_attention_ref(q, kv, idx, sink, scale=d ** -0.5)
-    assert out.dtype == ref.dtype
+    assert out.dtype == ref.dtype and out.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(out[0, 1], np.float32), 0.0)
     _close(out, ref, dtype)
 
