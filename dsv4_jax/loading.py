@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ def is_converted(path: str | os.PathLike) -> bool:
         return False
 
 
-def load(path: str | os.PathLike, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
+def load(path: str | os.PathLike, dtype=jnp.float32,
+         sharding: jax.sharding.Sharding | Callable[[str, tuple], jax.sharding.Sharding] | None = None,
          **options) -> Model:
     """Loads the model in `path`: either a directory written by `dsv4-convert` (config.json plus
     the Orbax checkpoint `params/`, restored through Orbax), or an HF checkpoint directory holding `config.json` and
@@ -40,9 +42,12 @@ def load(path: str | os.PathLike, dtype=jnp.float32, sharding: jax.sharding.Shar
     compute dtype of the weights (float32 or bfloat16); norms, hyper-connections, sinks, `ape`,
     gate and compressor weights stay in float32. A `--dtype native` conversion's FP8/FP4 leaves
     come back as `QuantizedWeight`s (stored values and scales, `dtype` as their compute dtype),
-    dequantized inside the matmuls. `sharding`, when given, is applied to every array (e.g. a
-    NamedSharding on a mesh); each device reads only its own shard from disk (a converted
-    directory; an HF one is read whole, then placed).
+    dequantized inside the matmuls. `sharding`, when given, is either one Sharding for every
+    array (e.g. a NamedSharding on a mesh) or a function (dotted tree path, stored shape) ->
+    Sharding, asked once per stored array (a QuantizedWeight's `values` and `scale` apart, as
+    `layers.ffn.w1.values`), e.g. to split the routed experts over a mesh axis; each device
+    reads only its own shard from disk (a converted directory; an HF one is read whole, then
+    placed).
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -55,8 +60,18 @@ def load(path: str | os.PathLike, dtype=jnp.float32, sharding: jax.sharding.Shar
     from convert import read_hf_checkpoint
 
     params, _mtp = read_hf_checkpoint(path, cfg, dtype)
-    put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
-    return Model(params=jax.tree.map(put, params), config=cfg)
+    if sharding is None:
+        return Model(params=jax.tree.map(jnp.asarray, params), config=cfg)
+
+    def put(p, x):
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)
+        return jax.device_put(x, _sharding_of(sharding, name, x.shape))
+
+    return Model(params=jax.tree_util.tree_map_with_path(put, params), config=cfg)
+
+
+def _sharding_of(sharding, name: str, shape) -> jax.sharding.Sharding:
+    return sharding(name, tuple(shape)) if callable(sharding) else sharding
 
 
 def _check_tree(pdir: str, want: dict) -> None:
@@ -97,9 +112,11 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
         if fmt is not None:
             parts = storage_shapes(tuple(shape), fmt)
             want.update({p + (k,): s for k, (s, _) in parts.items()})
-            return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in parts.items()}
+            return {k: jax.ShapeDtypeStruct(s, d, sharding=_sharding_of(sharding, ".".join(p + (k,)), s))
+                    for k, (s, d) in parts.items()}
         want[p] = tuple(shape)
-        return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, dtype), sharding=sharding)
+        return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, dtype),
+                                    sharding=_sharding_of(sharding, ".".join(p), shape))
 
     tgt = map_spec(target, param_spec(cfg))
     _check_tree(pdir, want)
