@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from .store import array_name
+
 PARAMS_DIR = "params"
 MTP_DIR = "mtp"
 DTYPES = ("bfloat16", "float32", "native")
@@ -116,10 +118,6 @@ def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
 
     map_spec(decide, plan.spec)
     return out
-
-
-def _key(path) -> str:
-    return ".".join(path)
 
 
 def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str, progress, *, native: bool,
@@ -211,7 +209,7 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", layers: int |
         meta = {"dsv4_jax": cfg.to_dict(), "converted_from": os.path.abspath(hf_dir),
                 "layers_converted": cfg.num_layers, "dtype": dtype, "mtp_tensors": n_mtp}
         if dtype == "native":
-            meta["quantized"] = {_key(p): k for p, (k, _) in layout.items() if k in ("fp8", "fp4")}
+            meta["quantized"] = {array_name(p): k for p, (k, _) in layout.items() if k in ("fp8", "fp4")}
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(meta, f, indent=2)
         if os.path.exists(out_dir):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+from pallas_kernels._dispatch import dispatch
 
 from .config import CSA, ModelConfig
 from .indexer import indexer_scores, select_topk
@@ -189,11 +190,10 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     def blocked():
         return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5)
 
-    if T == 1 or cfg.attention_impl == "pallas":
+    if T == 1:
         return indexed()
-    if cfg.attention_impl == "ref":
-        return blocked()
-    return jax.lax.platform_dependent(tpu=indexed, cuda=indexed, default=blocked)
+    # the kernels' choice of implementation, with the blocked form in the reference's place
+    return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
 
 
 def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale):

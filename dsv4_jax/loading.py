@@ -64,8 +64,7 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
         return Model(params=jax.tree.map(jnp.asarray, params), config=cfg)
 
     def put(p, x):
-        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)
-        return jax.device_put(x, _sharding_of(sharding, name, x.shape))
+        return jax.device_put(x, _sharding_of(sharding, jax.tree_util.keystr(p, simple=True, separator="."), x.shape))
 
     return Model(params=jax.tree_util.tree_map_with_path(put, params), config=cfg)
 

@@ -240,8 +240,9 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
 
     x = params["embed"][input_ids]
     h = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size))
-    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local), jnp.asarray(sched.index_local),
-          jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash), jnp.asarray(sched.route_local))
+    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
+          jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
+          jnp.asarray(sched.route_local))
     stacks = {k: v for k, v in cache.items() if k != "pos"}
     k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
