@@ -263,6 +263,78 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# what the machine allows
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    return _median_time(lambda _: jax.block_until_ready(fn(*args)), repeats)[0]
+
+
+def machine_limits(params, cfg: ModelConfig, sizes: dict) -> dict:
+    """The memory bandwidth and fp32 matmul rate jax reaches on this machine, measured here,
+    and the floors they put under our figures: a decode step must read its weights (the
+    non-expert ones and, per layer, every expert some row chose), a prefill must do its
+    matmuls. Floors count weights and matmul FLOPs only (no cache reads, no other ops)."""
+    f32 = jnp.float32
+    # streamed: as many bytes as the model's weights (the set decode steps cycle through, so it
+    # sits in the caches exactly as much as they can), at least 32 MiB
+    n = max(sum(x.nbytes for x in jax.tree.leaves(params)), 32 << 20) // 4 * 4
+    stream = jnp.ones((n // 4,), f32)
+    t = _median_seconds(jax.jit(jnp.sum), stream, repeats=5)
+    gbps = n / t / 1e9
+    del stream
+    a, w = jnp.ones((512, cfg.hidden_size), f32), jnp.ones((cfg.hidden_size, 4096), f32)
+    t = _median_seconds(jax.jit(jnp.matmul), a, w, repeats=10)
+    gflops = 2 * a.shape[0] * a.shape[1] * w.shape[1] / t / 1e9
+
+    L, E, k = cfg.num_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
+    expert_bytes = dense_bytes = dense_elems = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if name in ("layers.ffn.w1", "layers.ffn.w2", "layers.ffn.w3"):
+            expert_bytes += x.nbytes / (L * E)
+        elif name != "embed":  # the embedding is read one row per token
+            dense_bytes += x.nbytes
+            dense_elems += 0 if name == "head" else int(np.prod(x.shape))
+    out = {"stream_GB_per_s": gbps, "matmul_fp32_GFLOP_per_s": gflops,
+           "how": f"jnp.sum over {n / 1e6:.0f} MB of fp32 (the weights' size); a [512, {cfg.hidden_size}] x [{cfg.hidden_size}, 4096] "
+                  f"fp32 matmul; medians, jitted",
+           "weights_MB": {"non_expert": dense_bytes / 1e6, "one_expert_one_layer": expert_bytes / 1e6}}
+    for b in sizes["batches"]:
+        # experts a step reads per layer: k at batch 1; for b rows each picking k distinct
+        # experts uniformly, E * (1 - ((E - k) / E) ** b) in expectation
+        experts = E * (1 - ((E - k) / E) ** b)
+        out[f"decode_b{b}_step_floor_ms"] = 1e3 * (dense_bytes + L * experts * expert_bytes) / (gbps * 1e9)
+        out[f"decode_b{b}_experts_read_per_layer"] = experts
+    # prefill matmul FLOPs: every non-expert weight element (but the head: last position only)
+    # and k experts per layer once per token, plus attention: window keys, the top-k (ratio 4)
+    # or every visible entry (ratio 128), and the indexer's scores over the visible entries
+    S = sizes["prefill_len"]
+    flops = 2 * S * (dense_elems + L * k * expert_bytes / 4)
+    for r in cfg.compress_ratios:
+        keys = S * cfg.sliding_window
+        if r == 4:
+            keys += S * cfg.index_topk
+            flops += 2 * cfg.index_n_heads * cfg.index_head_dim * (S * S / 4 / 2)
+        elif r == 128:
+            keys += S * S / 128 / 2
+        flops += 2 * 2 * cfg.num_heads * cfg.head_dim * keys
+    out["prefill_GFLOP"] = flops / 1e9
+    out["prefill_floor_s"] = flops / (gflops * 1e9)
+    return out
+
+
+def _ceilings(result: dict) -> dict:
+    """The best ratio each goal could reach here: transformers' figure over our floor."""
+    lim, hf = result["limits"], result["transformers"]
+    out = {"prefill_tokens_per_s": hf["prefill"]["seconds"] / lim["prefill_floor_s"]}
+    for b in result["sizes"]["batches"]:
+        if f"decode_b{b}" in hf:
+            out[f"decode_tokens_per_s_b{b}"] = hf[f"decode_b{b}"]["ms_per_step"] / lim[f"decode_b{b}_step_floor_ms"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 
 def _get(d: dict, dotted: str):
     for k in dotted.split("."):
@@ -294,6 +366,9 @@ def _goals(result: dict, quick: bool) -> dict:
         else:
             ok = v >= thr if op == ">=" else v <= thr
             goals[name] = {"measured": round(v, 3), "goal": f"{op} {thr}", "pass": bool(ok), "from": key}
+            ceiling = _get(result, key.replace("ratios.", "ceilings.", 1)) if key.startswith("ratios.") else None
+            if ceiling is not None:  # what the machine's bandwidth or matmul rate allows at best
+                goals[name].update(ceiling_here=round(ceiling, 3), reachable_here=bool(ceiling >= thr))
     return goals
 
 
@@ -370,6 +445,7 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
     result["build_s"] = time.perf_counter() - t0
 
     result["ours"] = bench_ours(params, cfg, sizes)
+    result["limits"] = machine_limits(params, cfg, sizes)
     if hf is not None:
         hf_out = bench_transformers(hf, sizes, cfg.vocab_size)
         for C in sizes["contexts"]:
@@ -381,6 +457,7 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
                     f"machine; measured up to {max(sizes['hf_contexts'])}")
         result["transformers"] = hf_out
         result["ratios"] = _ratios(result["ours"], hf_out)
+        result["ceilings"] = _ceilings(result)
     else:
         result["transformers"] = "skipped (--skip-transformers)"
     result["goals"] = _goals(result, quick)
@@ -399,6 +476,10 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
         "torch threads: env.torch_threads (os.cpu_count() unless env.torch_thread_probe found the machine "
         "oversubscribed or --torch-threads forced it); XLA CPU uses its own thread pool over the same cores. "
         "The machine is shared: env.loadavg_1m_* record its load at start and end.",
+        "limits: memory bandwidth and fp32 matmul rate measured here with jax, and the floors they put under "
+        "a decode step (its weights read once: limits.decode_b*_experts_read_per_layer experts per layer, the "
+        "expectation under uniform routing) and a prefill (its matmul FLOPs counted from the shapes, no "
+        "padding); ceilings = transformers' time / our floor, the best ratio this machine allows.",
         "ratios are ours / transformers for throughput and transformers ms / ours ms for step times "
         "(higher is better for ours in both).",
     ]

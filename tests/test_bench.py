@@ -52,6 +52,38 @@ def test_quick_json_has_every_field(quick):
     assert _positive(g["measured"]) and isinstance(g["pass"], bool)
     assert r["goals"]["prefill_2048_speedup"]["pass"] is None  # needs transformers
     assert isinstance(r["notes"], list) and r["notes"]
+    lim = r["limits"]
+    assert _positive(lim["stream_GB_per_s"]) and _positive(lim["matmul_fp32_GFLOP_per_s"])
+    assert _positive(lim["prefill_GFLOP"]) and _positive(lim["prefill_floor_s"])
+    floors = [lim[f"decode_b{b}_step_floor_ms"] for b in r["sizes"]["batches"]]
+    assert all(map(_positive, floors)) and floors == sorted(floors)  # more rows read more experts
+    assert lim["decode_b1_experts_read_per_layer"] == r["hf_config"]["num_experts_per_tok"]
+
+
+def test_limits_count_the_weights_a_step_reads():
+    """The floors are the bytes / FLOPs counted from the params over the measured rates: check
+    the counts against a hand count on the quick model."""
+    import jax
+
+    from dsv4_jax.config import ModelConfig
+    from dsv4_jax.params import init_params
+
+    cfg = ModelConfig.from_hf(bench.QUICK_MODEL)
+    params = init_params(cfg, seed=0)
+    sizes = dict(bench.QUICK_SIZES, batches=(1, 4))
+    lim = bench.machine_limits(params, cfg, sizes)
+    E, k, L = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
+    one_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    non_expert = total - L * E * one_expert - params["embed"].nbytes
+    assert lim["weights_MB"]["one_expert_one_layer"] == pytest.approx(one_expert / 1e6)
+    assert lim["weights_MB"]["non_expert"] == pytest.approx(non_expert / 1e6)
+    gbps = lim["stream_GB_per_s"] * 1e9
+    assert lim["decode_b1_step_floor_ms"] == pytest.approx(1e3 * (non_expert + L * k * one_expert) / gbps)
+    experts4 = E * (1 - ((E - k) / E) ** 4)
+    assert lim["decode_b4_experts_read_per_layer"] == pytest.approx(experts4)
+    assert lim["decode_b4_step_floor_ms"] == pytest.approx(1e3 * (non_expert + L * experts4 * one_expert) / gbps)
+    assert lim["prefill_floor_s"] == pytest.approx(lim["prefill_GFLOP"] / lim["matmul_fp32_GFLOP_per_s"])
 
 
 def test_transformers_side_and_ratios_on_a_tiny_model():
@@ -84,3 +116,17 @@ def test_transformers_side_and_ratios_on_a_tiny_model():
     assert goals["decode_b1_speedup"]["pass"] is True and goals["prefill_2048_speedup"]["pass"] is False
     assert goals["decode_b8_speedup"]["measured"] == pytest.approx(3)  # quick: the largest batch
     assert goals["decode_step_16k_over_1k"]["pass"] is True
+    assert "ceiling_here" not in goals["decode_b1_speedup"]  # no limits measured
+
+    # ceilings: transformers' time over our floor, and whether each goal fits under it
+    limits = {"prefill_floor_s": out["prefill"]["seconds"] / 10}
+    for b in sizes["batches"]:
+        limits[f"decode_b{b}_step_floor_ms"] = out[f"decode_b{b}"]["ms_per_step"] / (2 if b == 1 else 9)
+    result = {"ratios": ratios, "ours": {"decode_step_growth_16k_over_1k": 1.0}, "limits": limits,
+              "transformers": out, "sizes": {"batches": list(sizes["batches"])}}
+    result["ceilings"] = bench._ceilings(result)
+    assert result["ceilings"]["prefill_tokens_per_s"] == pytest.approx(10)
+    goals = bench._goals(result, quick=True)
+    assert goals["decode_b1_speedup"]["ceiling_here"] == pytest.approx(2)
+    assert goals["decode_b1_speedup"]["reachable_here"] is False  # 2.5x asked, 2x possible
+    assert goals["decode_b8_speedup"]["reachable_here"] is True and goals["prefill_2048_speedup"]["reachable_here"]
