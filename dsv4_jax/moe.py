@@ -48,25 +48,29 @@ def _block_size(rows: int, n_experts: int) -> int:
     return b
 
 
-def _experts(w, ids: jnp.ndarray) -> jnp.ndarray:
-    """The experts `ids` of w `[E, ...]` as an array `[len(ids), ...]`. QuantizedWeight experts
-    are gathered still quantized, then dequantized."""
+def _experts(w, ids: jnp.ndarray, layer=None) -> jnp.ndarray:
+    """The experts `ids` of w `[E, ...]` (or of layer `layer` of w `[L, E, ...]`) as an array
+    `[len(ids), ...]`. QuantizedWeight experts are gathered still quantized, then dequantized."""
+    if layer is not None:
+        return weight_array(w[layer, ids])
     return with_weight(lambda w, ids: weight_array(w[ids]), w, ids)
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1: jnp.ndarray,
-                   w2: jnp.ndarray, w3: jnp.ndarray, limit: float) -> jnp.ndarray:
+                   w2: jnp.ndarray, w3: jnp.ndarray, limit: float, layer=None) -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`
-    (arrays, QuantizedWeights or LayerWeights).
+    (arrays, QuantizedWeights or LayerWeights), or, with `layer`, the stacks `[L, E, ...]` of
+    every layer: each block then reads its expert straight out of the stack (a layer's slice of
+    the stack would be copied whole first).
     Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert into blocks of b rows
     that each belong to one expert, so the work is T*k rows (plus at most b-1 padding rows per
     expert), never all experts for every token. The routing weight multiplies the activation
     before the down projection, as in the reference.
     """
     T, k = experts.shape
-    E = w1.shape[0]
+    E = w1.shape[0] if layer is None else w1.shape[1]
     rows = T * k
     b = _block_size(rows, E)
     n_blocks = -(-(rows + E * (b - 1)) // b)
@@ -88,16 +92,27 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
 
     x_pad = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
     xs = x_pad[slot_token].reshape(n_blocks, b, -1)
-    h1 = jnp.einsum("nbd,nid->nbi", xs.astype(w1.dtype), _experts(w1, block_expert),
-                    preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("nbd,nid->nbi", xs.astype(w3.dtype), _experts(w3, block_expert),
-                    preferred_element_type=jnp.float32)
-    h1, h3 = h1.astype(w1.dtype), h3.astype(w3.dtype)
-    h = swiglu(h1, h3, limit) * slot_weight.reshape(n_blocks, b, 1)
-    y = jnp.einsum("nbi,ndi->nbd", h.astype(w2.dtype), _experts(w2, block_expert),
-                   preferred_element_type=jnp.float32)
-    y = y.astype(w2.dtype).astype(jnp.float32).reshape(n_blocks * b, -1)
-    out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y)
+    ws = slot_weight.reshape(n_blocks, b, 1)
+
+    def ffn(xb, hw, w1, w2, w3):  # xb [n, b, D], hw [n, b, 1]; each block's expert [n, ...]
+        h1 = jnp.einsum("nbd,nid->nbi", xb.astype(w1.dtype), w1, preferred_element_type=jnp.float32)
+        h3 = jnp.einsum("nbd,nid->nbi", xb.astype(w3.dtype), w3, preferred_element_type=jnp.float32)
+        h = swiglu(h1.astype(w1.dtype), h3.astype(w3.dtype), limit) * hw
+        y = jnp.einsum("nbi,ndi->nbd", h.astype(w2.dtype), w2, preferred_element_type=jnp.float32)
+        return y.astype(w2.dtype).astype(jnp.float32)
+
+    if b == 1:  # decode-sized: every row at once, each with its own expert's weights
+        y = ffn(xs, ws, *(_experts(w, block_expert, layer) for w in (w1, w2, w3)))
+    else:
+        # One block at a time, and only the blocks that hold rows: on CPU a batched product over
+        # every block's gathered weights ran several times slower than this loop.
+        def block(n, y):
+            e = block_expert[n][None]
+            out = ffn(xs[n][None], ws[n][None], *(_experts(w, e, layer) for w in (w1, w2, w3)))
+            return jax.lax.dynamic_update_index_in_dim(y, out[0], n, 0)
+
+        y = jax.lax.fori_loop(0, padded_end[-1] // b, block, jnp.zeros((n_blocks, b, x.shape[1]), jnp.float32))
+    out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y.reshape(n_blocks * b, -1))
     return out[:T]
 
 

@@ -659,6 +659,11 @@ def test_experts(T, routing):
     shared = _shared_expert(_j(x), _j(shared_mod.gate_proj.weight), _j(shared_mod.down_proj.weight),
                             _j(shared_mod.up_proj.weight), limit)
     assert_close(routed, routed_t, 1e-5, "routed experts")
+    # the model's form: the same experts as layer 1 of stacks [3, E, ...], read by layer index
+    stack = [jnp.stack([jnp.roll(wi, 1, axis=0), wi, -wi]) for wi in (w1, w2, w3)]
+    stacked = jax.jit(routed_experts, static_argnums=(6,))(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), *stack,
+                                                           limit, jnp.int32(1))
+    assert_close(stacked, routed_t, 1e-5, "routed experts read from layer stacks")
     assert_close(shared, shared_t, 1e-5, "shared expert")
     assert_close(_n(routed) + _n(shared), routed_t + shared_t, 1e-5, "routed + shared")
 
