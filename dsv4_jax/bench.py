@@ -30,7 +30,8 @@ import numpy as np
 
 from .cache import init_cache
 from .config import ModelConfig
-from .generate import _decode_loop, _prefill, decode_params, prefill_chunks
+from .generate import _decode_loop, _prefill, prefill_chunks
+from .layer_weights import unstack_layers
 from .hf_reference import make_model
 
 # Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
@@ -215,10 +216,10 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
 
         logits, cache = setup()
         out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
-            _decode_loop, decode_params(params), cache, logits, buf, lengths, i32(n_new), *extra)
+            _decode_loop, unstack_layers(params), cache, logits, buf, lengths, i32(n_new), *extra)
 
         def decode(s):  # as generate(): the per-layer split, then the loop
-            toks, n_gen, _ = _decode_loop(decode_params(params), s[1], s[0], buf, lengths, i32(n_new), *extra)
+            toks, n_gen, _ = _decode_loop(unstack_layers(params), s[1], s[0], buf, lengths, i32(n_new), *extra)
             jax.block_until_ready(toks)
             assert int(n_gen.min()) == n_new
 
@@ -244,10 +245,10 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
             return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
 
         logits, cache = setup()
-        c_s = _compile_seconds(_decode_loop, decode_params(params), cache, logits, buf, lengths, i32(n), *extra)
+        c_s = _compile_seconds(_decode_loop, unstack_layers(params), cache, logits, buf, lengths, i32(n), *extra)
 
         def decode(s):
-            toks, n_gen, _ = _decode_loop(decode_params(params), s[1], s[0], buf, lengths, i32(n), *extra)
+            toks, n_gen, _ = _decode_loop(unstack_layers(params), s[1], s[0], buf, lengths, i32(n), *extra)
             jax.block_until_ready(toks)
             assert int(n_gen[0]) == n
 

@@ -109,17 +109,12 @@ def _prefill(params, cache, ids, cfg, last_only):
     return step(params, cache, ids, cfg, last_only)
 
 
-# On CPU the decode loop reads the large weights as one buffer per layer (layer_weights.py).
-# They are split once per generate call by this separate program: inside the decode loop's
-# program XLA:CPU ran the same copies about 4x slower (flash-mini: 166 ms against 42 ms).
-decode_params = jax.jit(unstack_layers)
-
-
 @partial(jax.jit, static_argnums=(7,), donate_argnums=(1,))
 def _decode_loop(params, cache, logits, buf, lengths, max_new, key, cfg, temperature, top_k, top_p, eos):
     """Feeds one token per row per iteration until every row is done or the buffer is full.
 
-    params: as `decode_params` gives them (on CPU: the large layer weights split per layer).
+    params: as `unstack_layers` gives them (on CPU: the large layer weights split per layer,
+    once per generate call, outside this program).
     buf int32 `[B, total]` holds the prompts and receives the generated tokens. Returns (buf,
     tokens generated per row, the cache)."""
     B, total = buf.shape
@@ -189,8 +184,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
         logits, cache = _prefill(model.params, cache, jnp.asarray(buf[:, pos: pos + size]), cfg, True)
         pos += size
     out, n_gen, _ = _decode_loop(
-        decode_params(model.params), cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths), jnp.int32(max_new_tokens),
-        jax.random.PRNGKey(seed), cfg, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+        unstack_layers(model.params), cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths),
+        jnp.int32(max_new_tokens), jax.random.PRNGKey(seed), cfg, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
         jnp.int32(-1 if eos_token_id is None else eos_token_id))
     out, n_gen = np.asarray(out), np.asarray(n_gen)
     tokens = np.zeros((B, max_new_tokens), np.int32)

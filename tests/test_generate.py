@@ -16,7 +16,7 @@ import torch
 import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.cache import cache_bytes, init_cache
-from dsv4_jax.generate import _decode_loop, decode_params, prefill_chunks, sample_logits
+from dsv4_jax.generate import _decode_loop, prefill_chunks, sample_logits
 from dsv4_jax.layer_weights import PerLayer, unstack_layers
 from dsv4_jax.model import forward, step
 
@@ -216,7 +216,7 @@ def _weight_slices(hlo: str, shapes: set[str]) -> list[str]:
 
 def test_cpu_decode_reads_weights_in_place():
     """layer_weights.py: on CPU generate splits the large stacked weights into one buffer per
-    layer (decode_params) before the decode loop, so no layer's weight is sliced out (copied)
+    layer (unstack_layers) before the decode loop, so no layer's weight is sliced out (copied)
     per token; the plain step (stacked weights) does slice them, which is what this guards."""
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
     params = jax.tree.map(jnp.asarray, dsv4_jax.init_params(cfg, seed=0))
@@ -230,7 +230,7 @@ def test_cpu_decode_reads_weights_in_place():
     stepped = jax.jit(step, static_argnums=(3, 4)).lower(
         params, cache, jnp.zeros((2, 1), i32), cfg, True).compile().as_text()
     assert _weight_slices(stepped, shapes)  # the stacked layout does copy slices out
-    loop = _decode_loop.lower(decode_params(params), cache, jnp.zeros((2, cfg.vocab_size), f32),
+    loop = _decode_loop.lower(unstack_layers(params), cache, jnp.zeros((2, cfg.vocab_size), f32),
                               jnp.zeros((2, 64), i32), jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg,
                               f32(0), i32(0), f32(1), i32(-1)).compile().as_text()
     assert _weight_slices(loop, shapes) == []
