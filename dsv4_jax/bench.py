@@ -31,8 +31,8 @@ import numpy as np
 from .cache import init_cache
 from .config import ModelConfig
 from .generate import _decode_loop, _prefill, prefill_chunks
-from .layer_weights import unstack_layers
 from .hf_reference import make_model
+from .layer_weights import unstack_layers
 
 # Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
 # 16 over 65536) on an 8-layer, 512-wide body: about 87 M parameters.
