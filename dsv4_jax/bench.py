@@ -163,7 +163,9 @@ def bench_transformers(model, sizes: dict, vocab: int) -> dict:
 # our side
 
 def _prefill_all(params, cfg, ids: np.ndarray, max_len: int, cache=None):
-    """generate()'s prefill: chunks of PREFILL_CHUNK then powers of two. Returns (logits, cache)."""
+    """generate()'s prefill: the per-layer split of the weights (CPU), then chunks of
+    PREFILL_CHUNK and powers of two. Returns (logits, cache)."""
+    params = unstack_layers(params)
     B, S = ids.shape
     cache = init_cache(cfg, B, max_len, params["embed"].dtype) if cache is None else cache
     pos = 0
@@ -191,7 +193,8 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
     chunk_sizes = sorted(set(prefill_chunks(S)))
     out["compile_s"]["prefill"] = {
-        str(c): _compile_seconds(_prefill, params, init_cache(cfg, 1, max_len, dtype), jnp.zeros((1, c), i32), cfg, True)
+        str(c): _compile_seconds(_prefill, unstack_layers(params), init_cache(cfg, 1, max_len, dtype),
+                                 jnp.zeros((1, c), i32), cfg, True)
         for c in chunk_sizes}
     run = lambda cache: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len, cache))
     run(init_cache(cfg, 1, max_len, dtype))  # warm-up (first execution)

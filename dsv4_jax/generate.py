@@ -177,14 +177,15 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
     for b, r in enumerate(rows):
         buf[b, : len(r)] = r
 
+    params = unstack_layers(model.params)
     cache = init_cache(cfg, B, max_len, model.dtype)
     common = int(lengths.min())
     pos = 0
     for size in prefill_chunks(common):
-        logits, cache = _prefill(model.params, cache, jnp.asarray(buf[:, pos: pos + size]), cfg, True)
+        logits, cache = _prefill(params, cache, jnp.asarray(buf[:, pos: pos + size]), cfg, True)
         pos += size
     out, n_gen, _ = _decode_loop(
-        unstack_layers(model.params), cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths),
+        params, cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths),
         jnp.int32(max_new_tokens), jax.random.PRNGKey(seed), cfg, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
         jnp.int32(-1 if eos_token_id is None else eos_token_id))
     out, n_gen = np.asarray(out), np.asarray(n_gen)

@@ -1,11 +1,11 @@
-"""One buffer per layer for the large weights, for the decode loop on CPU.
+"""One buffer per layer for the large weights, for `generate` on CPU.
 
 Inside the layer scan a layer reads its weights out of the stacked arrays with a dynamic slice.
 TPU and GPU compilers fuse that slice into the matmul that consumes it; XLA:CPU does not: it
 copies the layer's slice of every weight before each matmul, and on a decode step (a handful
 of rows per weight) those copies cost more than the matmuls themselves. So `generate` splits the
-large stacked weights into one array per layer once per call, before its decode loop
-(`unstack_layers`: `PerLayer` leaves), and a layer reaches
+large stacked weights into one array per layer once per call, before its prefill and decode
+loop (`unstack_layers`: `PerLayer` leaves), and a layer reaches
 its own with a `lax.switch` over the layers wrapped around the op that reads it
 (`LayerWeight.apply`): each branch reads its buffer in place. The split costs one copy of those
 weights per `generate` call, held while it runs.

@@ -4,8 +4,8 @@ The stack is one `lax.scan` over layers. The body dispatches with `lax.switch` o
 kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
 each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
 ...) and a layer reaches them through its kind-local index, carried in the scan's xs, as it
-reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU the
-decode loop keeps the large ones as one buffer per layer: dsv4_jax/layer_weights.py). The last
+reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU
+`generate` keeps the large ones as one buffer per layer: dsv4_jax/layer_weights.py). The last
 computed indexer top-k travels in the scan carry.
 """
 
@@ -85,7 +85,7 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
         experts = learned_choice(scores, take_layer(params["gate_bias"], route_local), k)
     weights = route(scores, experts, cfg.routed_scaling_factor)
     stacks = params["layers"]["ffn"]
-    if isinstance(stacks["w1"], PerLayer):  # CPU decode: the layer's own buffers, read in place
+    if isinstance(stacks["w1"], PerLayer):  # CPU generate: the layer's own buffers
         routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit)
     else:  # each expert block straight out of the stacks
         routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,

