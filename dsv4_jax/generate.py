@@ -185,8 +185,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
         logits, cache = _prefill(params, cache, jnp.asarray(buf[:, pos: pos + size]), cfg, True)
         pos += size
     out, n_gen, _ = _decode_loop(
-        params, cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths),
-        jnp.int32(max_new_tokens), jax.random.PRNGKey(seed), cfg, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+        params, cache, logits[:, 0], jnp.asarray(buf), jnp.asarray(lengths), jnp.int32(max_new_tokens),
+        jax.random.PRNGKey(seed), cfg, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
         jnp.int32(-1 if eos_token_id is None else eos_token_id))
     out, n_gen = np.asarray(out), np.asarray(n_gen)
     tokens = np.zeros((B, max_new_tokens), np.int32)
