@@ -118,11 +118,12 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     return entries, n_new, new_a, new_z
 
 
-def entry_rows(ids: jnp.ndarray, first_new: jnp.ndarray, pool_len: int) -> jnp.ndarray:
-    """Maps absolute entry ids (-1: none) to rows of [pool | new entries]: entries before
-    `first_new` live in the pool, later ones among the new entries."""
-    rows = jnp.where(ids < first_new, ids, pool_len + ids - first_new)
-    return jnp.where(ids >= 0, rows, -1)
+def in_entry_order(pool: jnp.ndarray, entries: jnp.ndarray, first_new: jnp.ndarray) -> jnp.ndarray:
+    """The rows to attend to, row j holding entry j: the pool `[B, P, d]` (entries before
+    `first_new`), the chunk's entries `[B, n, d]` (first_new ..) written over it from row
+    first_new. `[B, P + n, d]`; rows after the chunk's entries are never chosen."""
+    rows = jnp.concatenate([pool, jnp.zeros_like(entries)], axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(rows, entries, first_new, axis=1)
 
 
 def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
@@ -221,38 +222,90 @@ def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale):
     sink = sink.astype(f32)
     m_all = jnp.maximum(jnp.max(lw, axis=-1), sink)  # [B, T, H]
     if comp_rows is not None:
-        Nc, Kc = comp_rows.shape[1], comp_idx.shape[-1]
-        valid = comp_idx >= 0
-        # Each query's rows are distinct, so attending to them is attending to all Nc rows with
-        # the others masked. That form is two plain matmuls over T x Nc; the gathered one
-        # copies Kc rows of D per query and multiplies them query by query, several times
-        # slower per row on CPU (ratio 128, where Kc = Nc, always; ratio 4 while the pool
-        # holds at most 16 x top-k rows).
-        dense = Nc <= 16 * Kc
-        if dense:
-            rows = comp_rows.astype(f32)  # [B, Nc, D]
-            chosen = jnp.zeros((B, T, Nc + 1), bool).at[
-                jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], jnp.where(valid, comp_idx, Nc)
-            ].set(True)[..., :Nc]
-            lc = jnp.einsum("bthd,bnd->bthn", q.astype(f32), rows) * scale
-            lc = jnp.where(chosen[:, :, None, :], lc, -jnp.inf)  # [B, T, H, Nc]
-            m_all = jnp.maximum(m_all, jnp.max(lc, axis=-1))
-        else:
-            rows = jnp.take_along_axis(comp_rows[:, None], jnp.where(valid, comp_idx, 0)[..., None], axis=2)
-            rows = rows.astype(f32)  # [B, T, Kc, D]
-            lc = jnp.einsum("btkd,bthd->btkh", rows, q.astype(f32)) * scale
-            lc = jnp.where(valid[..., None], lc, -jnp.inf)
-            m_all = jnp.maximum(m_all, jnp.max(lc, axis=2))
+        m_all, denom_c, out_c = _compressed(q.astype(f32), comp_rows.astype(f32), comp_idx, m_all, scale)
     pw = jnp.exp(lw - m_all[..., None])
     denom = jnp.sum(pw, axis=-1) + jnp.exp(sink - m_all)
     pw = jnp.pad(pw, ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, k1)
     out = jnp.einsum("bnqhk,bnkd->bnqhd", pw, blocks).reshape(B, tp, H, D)[:, :T]
-    if comp_rows is not None and dense:
-        pc = jnp.exp(lc - m_all[..., None])
-        denom = denom + jnp.sum(pc, axis=-1)
-        out = out + jnp.einsum("bthn,bnd->bthd", pc, rows)
-    elif comp_rows is not None:
-        pc = jnp.exp(lc - m_all[:, :, None, :])
-        denom = denom + jnp.sum(pc, axis=2)
-        out = out + jnp.einsum("btkh,btkd->bthd", pc, rows)
+    if comp_rows is not None:
+        denom, out = denom + denom_c, out + out_c
     return (out / denom[..., None]).astype(q.dtype)
+
+
+# Rows per tile of the compressed rows in `_compressed_tiles`.
+COMPRESSED_TILE = 128
+
+
+def _compressed(q, rows, comp_idx, m_all, scale):
+    """The compressed rows' part of `_window_blocked`, fp32: q `[B, T, H, D]`, rows `[B, Nc, D]`,
+    comp_idx `[B, T, Kc]` (-1: none), m_all `[B, T, H]` the window's and sink's max. Returns
+    (m_all raised to the chosen rows' logits, their sum of exp(logit - m_all) `[B, T, H]`, and
+    of exp(logit - m_all) * row `[B, T, H, D]`).
+
+    Two forms: the masked products over the rows up to the highest chosen one (`_compressed_tiles`),
+    or each query's Kc rows gathered (`_compressed_gathered`), which copies Kc rows of D per query
+    and multiplies them query by query: several times slower per row on CPU, so only taken when
+    the rows in use exceed 16 x Kc (ratio 4 with a long context; ratio 128 chooses every row)."""
+    Nc, Kc = rows.shape[1], comp_idx.shape[-1]
+    if Nc <= 16 * Kc:
+        return _compressed_tiles(q, rows, comp_idx, m_all, scale)
+    return jax.lax.cond(jnp.max(comp_idx) < 16 * Kc, _compressed_tiles, _compressed_gathered,
+                        q, rows, comp_idx, m_all, scale)
+
+
+def _compressed_tiles(q, rows, comp_idx, m_all, scale):
+    """`_compressed` as masked dense products: each query's rows are distinct, so attending to them
+    is attending to every row with the others masked; two plain matmuls per tile of
+    COMPRESSED_TILE rows, over the tiles up to the highest chosen row only (a chunk early in a long
+    cache sees a small prefix of its pool). One pass for the logits and their max, one for the
+    exps and the weighted rows."""
+    B, T, H, D = q.shape
+    Nc = rows.shape[1]
+    tile = min(Nc, COMPRESSED_TILE)
+    n_tiles = -(-Nc // tile)
+    rows = jnp.pad(rows, ((0, 0), (0, n_tiles * tile - Nc), (0, 0)))
+    chosen = jnp.zeros((B, T, n_tiles * tile + 1), bool).at[
+        jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], jnp.where(comp_idx >= 0, comp_idx, n_tiles * tile)
+    ].set(True)[..., :-1]
+
+    def cols(j):  # tile j's rows `[B, tile, D]`
+        return jax.lax.dynamic_slice_in_dim(rows, j * tile, tile, axis=1)
+
+    def logits(j):  # `[B, T, H, tile]`, -inf where not chosen
+        lc = jnp.einsum("bthd,bnd->bthn", q, cols(j)) * scale
+        return jnp.where(jax.lax.dynamic_slice_in_dim(chosen, j * tile, tile, axis=2)[:, :, None, :], lc, -jnp.inf)
+
+    def weigh(j, lc, m_all):
+        pc = jnp.exp(lc - m_all[..., None])
+        return jnp.sum(pc, axis=-1), jnp.einsum("bthn,bnd->bthd", pc, cols(j))
+
+    if n_tiles == 1:
+        lc = logits(0)
+        m_all = jnp.maximum(m_all, jnp.max(lc, axis=-1))
+        return (m_all, *weigh(0, lc, m_all))
+
+    def first(j, carry):
+        lcs, m = carry
+        lc = logits(j)
+        return lcs.at[j].set(lc), jnp.maximum(m, jnp.max(lc, axis=-1))
+
+    def second(j, carry):
+        denom, out = carry
+        d, o = weigh(j, lcs[j], m_all)
+        return denom + d, out + o
+
+    used = (jnp.max(comp_idx) + tile) // tile  # tiles up to the highest chosen row; 0 if none
+    lcs, m_all = jax.lax.fori_loop(0, used, first, (jnp.full((n_tiles, B, T, H, tile), -jnp.inf, q.dtype), m_all))
+    denom, out = jax.lax.fori_loop(0, used, second, (jnp.zeros((B, T, H), q.dtype), jnp.zeros((B, T, H, D), q.dtype)))
+    return m_all, denom, out
+
+
+def _compressed_gathered(q, rows, comp_idx, m_all, scale):
+    """`_compressed` on each query's own Kc rows, gathered."""
+    valid = comp_idx >= 0
+    rows = jnp.take_along_axis(rows[:, None], jnp.where(valid, comp_idx, 0)[..., None], axis=2)  # [B, T, Kc, D]
+    lc = jnp.einsum("btkd,bthd->btkh", rows, q) * scale
+    lc = jnp.where(valid[..., None], lc, -jnp.inf)
+    m_all = jnp.maximum(m_all, jnp.max(lc, axis=2))
+    pc = jnp.exp(lc - m_all[:, :, None, :])
+    return m_all, jnp.sum(pc, axis=2), jnp.einsum("btkh,btkd->bthd", pc, rows)

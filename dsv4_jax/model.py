@@ -171,8 +171,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
                 comp_rows = rows[:, 0]
                 comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
             else:
-                comp_rows = jnp.concatenate([c["pool"], entries], axis=1)
-                comp_idx = attention.entry_rows(ids, first, c["pool"].shape[1])
+                comp_rows, comp_idx = attention.in_entry_order(c["pool"], entries, first), ids
             o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
             return o, ids, payloads(out), overlap
         return branch
@@ -184,8 +183,8 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
         P = c["pool"].shape[1]
         ids = jnp.arange(P, dtype=jnp.int32)
         ids = jnp.where(ids[None, :] < attention.visible_entries(p0, T, HCA)[:, None], ids[None, :], -1)
-        comp_idx = jnp.broadcast_to(attention.entry_rows(ids, p0 // HCA, P), (B, T, P))
-        comp_rows = jnp.concatenate([c["pool"], entries], axis=1)
+        comp_idx = jnp.broadcast_to(ids, (B, T, P))
+        comp_rows = attention.in_entry_order(c["pool"], entries, p0 // HCA)
         o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
         return o, last_ids, payloads({"hca": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
                                               "state_a": sa, "state_z": sz}}), jnp.float32(jnp.nan)

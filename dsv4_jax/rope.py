@@ -63,7 +63,8 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool
     dtype; the leading (nope) dims pass through untouched. `inverse` multiplies by the conjugate.
     """
     half = cos.shape[-1]
-    nope, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    start = x.shape[-1] - 2 * half
+    rope = x[..., start:]
     pairs = rope.astype(jnp.float32).reshape(*rope.shape[:-1], half, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     if inverse:
@@ -71,4 +72,4 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool
     out_re = re * cos - im * sin
     out_im = im * cos + re * sin
     rotated = jnp.stack([out_re, out_im], axis=-1).reshape(rope.shape).astype(x.dtype)
-    return jnp.concatenate([nope, rotated], axis=-1)
+    return jax.lax.dynamic_update_slice_in_dim(x, rotated, start, axis=-1)

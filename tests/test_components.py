@@ -679,26 +679,32 @@ def test_experts(T, routing):
     assert _rel_err(unclamped, routed_t) > 1e-2
 
 
-@pytest.mark.parametrize("n_rows", [40, 80], ids=["dense", "gathered"])
+@pytest.mark.parametrize("n_rows, K, in_use", [(40, 4, 40), (300, 32, 300), (300, 32, 150), (80, 4, 80), (1000, 4, 60)],
+                         ids=["one tile", "tiles", "tiles, prefix in use", "gathered", "large pool, prefix in use"])
 @pytest.mark.parametrize("p0", [0, 37])
-def test_chunk_attention_equals_the_indexed_form(n_rows, p0):
+def test_chunk_attention_equals_the_indexed_form(n_rows, K, in_use, p0):
     """attention._window_blocked (a prefill chunk on CPU) against the one-index-row reference
-    (pallas_kernels.sparse_attention_ref over [ring | chunk | compressed rows]). With top-k 4
-    the compressed part is the masked all-rows matmul form at 40 rows (<= 16 x 4) and the
-    gathered form at 80; fp32, 1e-5 relative to the largest output (the two sum in different
-    orders)."""
-    rng = np.random.default_rng(n_rows + p0)
-    B, T, H, D, W, K = 2, 21, 3, 16, 8, 4
+    (pallas_kernels.sparse_attention_ref over [ring | chunk | compressed rows]). The compressed
+    part takes the masked products over tiles of 128 rows while the rows in use (up to the
+    highest chosen) are at most 16 x top-k, else each query's rows gathered ("gathered": 80 > 64
+    rows in use). Rows in no used tile are NaN: touching them would show. fp32, 1e-5 relative to
+    the largest output (the two sum in different orders)."""
+    rng = np.random.default_rng(n_rows + in_use + p0)
+    B, T, H, D, W = 2, 21, 3, 16, 8
     q, ring, kv = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, H, D), (B, W, D), (B, T, D)))
-    comp = jnp.asarray(rng.standard_normal((B, n_rows, D)), jnp.float32)
+    comp = rng.standard_normal((B, n_rows, D)).astype(np.float32)
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    idx = np.stack([[rng.choice(n_rows, K, replace=False) for _ in range(T)] for _ in range(B)]).astype(np.int32)
+    idx = np.stack([[rng.choice(in_use, K, replace=False) for _ in range(T)] for _ in range(B)]).astype(np.int32)
     idx[rng.random(idx.shape) < 0.3] = -1  # some queries see fewer entries, a few none
     idx[0, 0] = -1
-    idx = jnp.asarray(idx)
+    idx[1, 1] = np.r_[in_use - 1, rng.choice(in_use - 1, K - 1, replace=False)]  # the highest row in use
+    tiles_in_use = -(-in_use // ours_attn.COMPRESSED_TILE) * ours_attn.COMPRESSED_TILE
+    comp[:, tiles_in_use:] = np.nan
+    comp, idx = jnp.asarray(comp), jnp.asarray(idx)
     scale = D ** -0.5
     got = ours_attn._window_blocked(q, ring, kv, comp, idx, sink, jnp.int32(p0), scale)
     window = jnp.broadcast_to(ours_attn.window_indices(jnp.int32(p0), T, W), (B, T, W))
     every = jnp.concatenate([window, jnp.where(idx >= 0, idx + W + T, -1)], axis=-1)
-    want = sparse_attention_ref(q, jnp.concatenate([ring, kv, comp], axis=1), every, sink, scale=scale)
+    want = sparse_attention_ref(q, jnp.concatenate([ring, kv, jnp.nan_to_num(comp)], axis=1), every, sink,
+                                scale=scale)
     np.testing.assert_allclose(_n(got), _n(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
