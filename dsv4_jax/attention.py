@@ -85,14 +85,18 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     pos = p0 + jnp.arange(T, dtype=jnp.int32)
     a = dense(xf, cp["wkv"].astype(jnp.float32))
     z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
-    # A span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk.
-    span = (coff + n) * ratio
-    c = a.shape[-1]
-    span_a = jnp.zeros((B, span, c), jnp.float32).at[:, : coff * ratio].set(state_a)
-    span_z = jnp.full((B, span, c), -jnp.inf, jnp.float32).at[:, : coff * ratio].set(state_z)
     offset = (coff - 1) * ratio + p0 % ratio
-    span_a = jax.lax.dynamic_update_slice_in_dim(span_a, a, offset, axis=1)
-    span_z = jax.lax.dynamic_update_slice_in_dim(span_z, z, offset, axis=1)
+    if T == 1:  # decode: the token's row falls inside the state (its block, and the previous one);
+        # selected in, not written in place, which would make XLA copy the cache's state first
+        at = (jnp.arange(coff * ratio) == offset)[None, :, None]
+        span_a, span_z = jnp.where(at, a, state_a), jnp.where(at, z, state_z)
+    else:  # a span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk
+        span = (coff + n) * ratio
+        c = a.shape[-1]
+        span_a = jnp.zeros((B, span, c), jnp.float32).at[:, : coff * ratio].set(state_a)
+        span_z = jnp.full((B, span, c), -jnp.inf, jnp.float32).at[:, : coff * ratio].set(state_z)
+        span_a = jax.lax.dynamic_update_slice_in_dim(span_a, a, offset, axis=1)
+        span_z = jax.lax.dynamic_update_slice_in_dim(span_z, z, offset, axis=1)
 
     first = p0 // ratio
     n_new = (p0 + T) // ratio - first
@@ -111,11 +115,15 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     if T == 1:  # decode completes a block on one step in `ratio`: pool only then
         d = cp["norm"].shape[-1]
         entries = jax.lax.cond(n_new > 0, pool, lambda: jnp.zeros((B, n, d), x.dtype))
-    else:
-        entries = pool()
+        # A completed block moves the state on by a block: with overlap the token's block becomes
+        # the previous one; without, every row is then a don't-care.
+        new_a, new_z = span_a, span_z
+        if coff == 2:
+            new_a, new_z = (jnp.where(n_new > 0, jnp.roll(s, -ratio, axis=1), s) for s in (span_a, span_z))
+        return entries, n_new, new_a, new_z
     new_a = jax.lax.dynamic_slice_in_dim(span_a, n_new * ratio, coff * ratio, axis=1)
     new_z = jax.lax.dynamic_slice_in_dim(span_z, n_new * ratio, coff * ratio, axis=1)
-    return entries, n_new, new_a, new_z
+    return pool(), n_new, new_a, new_z
 
 
 def in_entry_order(pool: jnp.ndarray, entries: jnp.ndarray, first_new: jnp.ndarray) -> jnp.ndarray:
