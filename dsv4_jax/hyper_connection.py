@@ -10,12 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .linear import dense
+
 
 def _mixes(x: jnp.ndarray, fn: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x `[B, S, hc, D]` -> fn @ rms_normalised(flatten(x)) `[B, S, fn_rows]` in fp32."""
+    """x `[B, S, hc, D]` -> fn @ rms_normalised(flatten(x)) `[B, S, fn_rows]` in fp32 (fn: an array or,
+    in the layer stack on CPU, a LayerWeight)."""
     flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return jnp.einsum("bsk,rk->bsr", flat, fn.astype(jnp.float32))
+    return dense(flat, fn.astype(jnp.float32))
 
 
 def _mix(w: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:

@@ -22,9 +22,10 @@ from flax import struct
 
 from .quantized import QuantizedWeight
 
-# Matmul weights (named w*, shared_w*) whose per-layer slice has at least this many elements
-# get their own buffers; smaller ones (the indexer's head weights) are cheap to slice.
-MIN_ELEMENTS = 1 << 16
+# Matmul weights (named w*, shared_w*, and the hyper-connections' fn) whose per-layer slice has
+# at least this many elements get their own buffers; smaller ones (the indexer's head weights)
+# are cheap to slice.
+MIN_ELEMENTS = 1 << 15
 STACKS = ("layers", "csa", "hca")  # the params subtrees stacked over (kind-local) layers
 
 
@@ -76,7 +77,8 @@ def unstack_layers(params: dict) -> dict:
         return params
 
     def large(path, x) -> bool:
-        return (not isinstance(x, PerLayer) and path[-1].key.removeprefix("shared_").startswith("w")
+        name = path[-1].key.removeprefix("shared_")
+        return (not isinstance(x, PerLayer) and (name.startswith("w") or name == "fn")
                 and math.prod(x.shape[1:]) >= MIN_ELEMENTS)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path({k: params[k] for k in STACKS if k in params},
