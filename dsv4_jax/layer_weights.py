@@ -7,8 +7,11 @@ of rows per weight) those copies cost more than the matmuls themselves. So `gene
 large stacked weights into one array per layer once per call, before its prefill and decode
 loop (`unstack_layers`: `PerLayer` leaves), and a layer reaches
 its own with a `lax.switch` over the layers wrapped around the op that reads it
-(`LayerWeight.apply`): each branch reads its buffer in place. The split costs one copy of those
-weights per `generate` call, held while it runs.
+(`LayerWeight.apply`): each branch reads its buffer in place. The routed experts go one step
+further, one buffer per (layer, expert) (`PerExpert` leaves), since a gather of the chosen experts
+out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch over
+(layer, expert) wrapped around that expert's whole FFN (`with_expert`). The split costs one copy of
+those weights per `generate` call, held while it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .quantized import QuantizedWeight
@@ -26,6 +30,11 @@ from .quantized import QuantizedWeight
 # at least this many elements get their own buffers; smaller ones (the indexer's head weights)
 # are cheap to slice.
 MIN_ELEMENTS = 1 << 15
+# Routed experts get a buffer each while layers x experts stays below this: every buffer is a
+# branch of the experts' switch, compiled into each program that runs the layers (flash-mini: 128).
+# Larger models keep their experts stacked and gather the chosen ones.
+MAX_EXPERT_BUFFERS = 1024
+ROUTED = ("w1", "w2", "w3")  # the routed experts' weights, `[L, E, ...]` in params["layers"]["ffn"]
 STACKS = ("layers", "csa", "hca")  # the params subtrees stacked over (kind-local) layers
 
 
@@ -58,42 +67,88 @@ class LayerWeight:
         return jax.lax.switch(self.index, [partial(fn, p) for p in self.parts], *args)
 
 
+@struct.dataclass
+class PerExpert:
+    """A stacked routed-expert weight `[L, E, ...]` as L * E arrays (or QuantizedWeights) `[...]`,
+    layer-major."""
+
+    parts: tuple
+    n_experts: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class LayerExperts:
+    """Layer `index`'s experts from a PerExpert (read through `with_expert`)."""
+
+    parts: tuple
+    index: jnp.ndarray
+    n_experts: int = struct.field(pytree_node=False)
+
+
+def with_expert(weights: tuple, e: jnp.ndarray, fn, *args):
+    """fn(expert e's weight from each of `weights` (LayerExperts of one layer), *args): one switch
+    over the (layer, expert) buffers, each branch reading its own in place."""
+    n = weights[0].n_experts
+    branches = [partial(fn, *ws) for ws in zip(*(w.parts for w in weights))]
+    return jax.lax.switch(weights[0].index * n + e, branches, *args)
+
+
 def _is_leaf(x) -> bool:
-    return isinstance(x, (QuantizedWeight, PerLayer))
+    return isinstance(x, (QuantizedWeight, PerLayer, PerExpert))
 
 
-@jax.jit
-def _layer_parts(stacked: list) -> list:
-    """Each stacked weight `[L, ...]` as its L layers, all in one program: op by op, or inside
-    the decode loop's program, XLA:CPU ran the same copies about 3x slower (flash-mini: ~150
-    ms against ~45 ms). Only the weights being split go through it, so nothing else is copied."""
-    return [tuple(x[i] for i in range(x.shape[0])) for x in stacked]
+@partial(jax.jit, static_argnums=1)
+def _split(stacked: list, lead: tuple[int, ...]) -> list:
+    """Each stacked weight as its parts over its `lead` leading axes (row-major), all in one
+    program: op by op, or inside the decode loop's program, XLA:CPU ran the same copies about 3x
+    slower (flash-mini: ~150 ms against ~45 ms). Only the weights being split go through it, so
+    nothing else is copied."""
+    return [tuple(x[i] for i in np.ndindex(*x.shape[:n])) for x, n in zip(stacked, lead)]
 
 
 def unstack_layers(params: dict) -> dict:
-    """params with the large leaves of the layer stacks (`STACKS`) split into PerLayer leaves
-    when running on CPU (every other leaf is the same array); unchanged elsewhere."""
+    """params with the large leaves of the layer stacks (`STACKS`) split into PerLayer leaves,
+    and the routed experts into PerExpert leaves (see MAX_EXPERT_BUFFERS), when running on CPU
+    (every other leaf is the same array); unchanged elsewhere."""
     if jax.default_backend() != "cpu":
         return params
 
-    def large(path, x) -> bool:
-        name = path[-1].key.removeprefix("shared_")
-        return (not isinstance(x, PerLayer) and (name.startswith("w") or name == "fn")
-                and math.prod(x.shape[1:]) >= MIN_ELEMENTS)
+    def lead(path, x) -> int:
+        """How many leading axes to split x over: 0 (kept stacked), 1 (layers) or 2 (experts)."""
+        keys = tuple(k.key for k in path)
+        name = keys[-1].removeprefix("shared_")
+        if isinstance(x, (PerLayer, PerExpert)) or not (name.startswith("w") or name == "fn"):
+            return 0
+        if math.prod(x.shape[1:]) < MIN_ELEMENTS:
+            return 0
+        if keys[:2] == ("layers", "ffn") and keys[-1] in ROUTED:
+            return 2 if math.prod(x.shape[:2]) <= MAX_EXPERT_BUFFERS else 0
+        return 1
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path({k: params[k] for k in STACKS if k in params},
                                                            is_leaf=_is_leaf)
-    parts = iter(_layer_parts([x for path, x in leaves if large(path, x)]))
-    split = [PerLayer(next(parts)) if large(path, x) else x for path, x in leaves]
+    todo = [(x, lead(path, x)) for path, x in leaves if lead(path, x)]
+    parts = iter(_split([x for x, _ in todo], tuple(n for _, n in todo)))
+
+    def leaf(path, x):
+        n = lead(path, x)
+        if n == 0:
+            return x
+        return PerLayer(next(parts)) if n == 1 else PerExpert(next(parts), x.shape[1])
+
+    split = [leaf(path, x) for path, x in leaves]
     return {**params, **jax.tree_util.tree_unflatten(treedef, split)}
 
 
 def take_layer(tree, i: jnp.ndarray):
-    """Layer i of every leaf of a stacked tree: a slice of a stacked array, or a LayerWeight."""
+    """Layer i of every leaf of a stacked tree: a slice of a stacked array, a LayerWeight or
+    LayerExperts."""
 
     def take(x):
         if isinstance(x, PerLayer):
             return LayerWeight(x.parts, i)
+        if isinstance(x, PerExpert):
+            return LayerExperts(x.parts, i, x.n_experts)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), x)
 
     return jax.tree.map(take, tree, is_leaf=_is_leaf)

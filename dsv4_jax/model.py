@@ -24,7 +24,7 @@ from .config import CSA, HCA, WINDOW, ModelConfig
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .cache import indexer_state_layers, init_cache
 from .index_cache import index_cache_schedule
-from .layer_weights import PerLayer, take_layer
+from .layer_weights import PerExpert, take_layer
 from .linear import dense
 from .moe import learned_choice, route, routed_experts, router_scores, shared_expert
 from .norms import rms_norm
@@ -85,9 +85,9 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
         experts = learned_choice(scores, take_layer(params["gate_bias"], route_local), k)
     weights = route(scores, experts, cfg.routed_scaling_factor)
     stacks = params["layers"]["ffn"]
-    if isinstance(stacks["w1"], PerLayer):  # CPU generate: the layer's own buffers
+    if isinstance(stacks["w1"], PerExpert):  # CPU generate: each expert's own buffers
         routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit)
-    else:  # each expert block straight out of the stacks
+    else:  # the chosen experts straight out of the stacks
         routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,
                                 layer=layer_index)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit)

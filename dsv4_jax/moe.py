@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .layer_weights import with_weight
-from .linear import dense, weight_array
+from .layer_weights import LayerExperts, with_expert
+from .linear import dense
 
 
 def router_scores(x: jnp.ndarray, gate: jnp.ndarray) -> jnp.ndarray:
@@ -48,31 +48,39 @@ def _block_size(rows: int, n_experts: int) -> int:
     return b
 
 
-def _experts(w, ids: jnp.ndarray, layer=None) -> jnp.ndarray:
-    """The experts `ids` of w `[E, ...]` (or of layer `layer` of w `[L, E, ...]`) as an array
-    `[len(ids), ...]`. QuantizedWeight experts are gathered still quantized, then dequantized."""
-    if layer is not None:
-        return weight_array(w[layer, ids])
-    return with_weight(lambda w, ids: weight_array(w[ids]), w, ids)
+def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None) -> jnp.ndarray:
+    """One SwiGLU expert (w1/w3 `[I, D]`, w2 `[D, I]`) on rows x `[R, D]`: `[R, D]` in w2's dtype.
+    A routed expert's routing weights hw fp32 `[R, 1]` multiply the activation before the down
+    projection, as in the reference."""
+    h = swiglu(dense(x, w1), dense(x, w3), limit)
+    if hw is not None:
+        h = h * hw
+    return dense(h.astype(w2.dtype), w2)
 
 
-def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1: jnp.ndarray,
-                   w2: jnp.ndarray, w3: jnp.ndarray, limit: float, layer=None) -> jnp.ndarray:
+def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
+                   layer=None) -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
-    x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`
-    (arrays, QuantizedWeights or LayerWeights), or, with `layer`, the stacks `[L, E, ...]` of
-    every layer: each block then reads its expert straight out of the stack (a layer's slice of
-    the stack would be copied whole first).
+    x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`:
+    arrays or QuantizedWeights, or LayerExperts (CPU generate: one buffer per expert, read in
+    place), or, with `layer`, the stacks `[L, E, ...]` of every layer: the chosen experts are then
+    gathered straight out of the stack (a layer's slice of the stack would be copied whole first).
     Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert into blocks of b rows
     that each belong to one expert, so the work is T*k rows (plus at most b-1 padding rows per
-    expert), never all experts for every token. The routing weight multiplies the activation
-    before the down projection, as in the reference.
+    expert), never all experts for every token.
     """
     T, k = experts.shape
-    E = w1.shape[0] if layer is None else w1.shape[1]
+    in_place = isinstance(w1, LayerExperts)
+    E = w1.n_experts if in_place else w1.shape[0] if layer is None else w1.shape[1]
     rows = T * k
     b = _block_size(rows, E)
+
+    def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
+        return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
+
+    if b == 1 and in_place:
+        return _each_used_expert(x, experts, weights, (w1, w2, w3), ffn)
     n_blocks = -(-(rows + E * (b - 1)) // b)
     flat_e = experts.reshape(-1)
     flat_t = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
@@ -94,29 +102,43 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     xs = x_pad[slot_token].reshape(n_blocks, b, -1)
     ws = slot_weight.reshape(n_blocks, b, 1)
 
-    def ffn(xb, hw, w1, w2, w3):  # xb [n, b, D], hw [n, b, 1]; each block's expert [n, ...]
-        h1 = jnp.einsum("nbd,nid->nbi", xb.astype(w1.dtype), w1, preferred_element_type=jnp.float32)
-        h3 = jnp.einsum("nbd,nid->nbi", xb.astype(w3.dtype), w3, preferred_element_type=jnp.float32)
-        h = swiglu(h1.astype(w1.dtype), h3.astype(w3.dtype), limit) * hw
-        y = jnp.einsum("nbi,ndi->nbd", h.astype(w2.dtype), w2, preferred_element_type=jnp.float32)
-        return y.astype(w2.dtype).astype(jnp.float32)
+    def gathered(ids):  # the experts `ids` of each weight, `[len(ids), ...]`, still quantized
+        return [(w[ids] if layer is None else w[layer, ids]) for w in (w1, w2, w3)]
 
     if b == 1:  # decode-sized: every row at once, each with its own expert's weights
-        y = ffn(xs, ws, *(_experts(w, block_expert, layer) for w in (w1, w2, w3)))
+        y = jax.vmap(ffn)(*gathered(block_expert), xs, ws)
     else:
         # One block at a time, and only the blocks that hold rows: on CPU a batched product over
         # every block's gathered weights ran several times slower than this loop.
         def block(n, y):
-            e = block_expert[n][None]
-            out = ffn(xs[n][None], ws[n][None], *(_experts(w, e, layer) for w in (w1, w2, w3)))
-            return jax.lax.dynamic_update_index_in_dim(y, out[0], n, 0)
+            if in_place:
+                out = with_expert((w1, w2, w3), block_expert[n], ffn, xs[n], ws[n])
+            else:
+                out = ffn(*(w[0] for w in gathered(block_expert[n][None])), xs[n], ws[n])
+            return jax.lax.dynamic_update_index_in_dim(y, out, n, 0)
 
         y = jax.lax.fori_loop(0, padded_end[-1] // b, block, jnp.zeros((n_blocks, b, x.shape[1]), jnp.float32))
     out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y.reshape(n_blocks * b, -1))
     return out[:T]
 
 
-def shared_expert(x: jnp.ndarray, w1: jnp.ndarray, w2: jnp.ndarray, w3: jnp.ndarray, limit: float) -> jnp.ndarray:
+def _each_used_expert(x, experts, weights, w, ffn) -> jnp.ndarray:
+    """`routed_experts` for a decode-sized batch with LayerExperts: each expert in use once, in
+    id order, on every row (weight 0 on the rows that did not choose it), so each is read once
+    and in place however many rows chose it."""
+    T, k = experts.shape
+    E = w[0].n_experts
+    gate = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], experts].add(weights)  # [T, E]
+    used = jnp.zeros((E,), bool).at[experts.reshape(-1)].set(True)
+    in_use = jnp.argsort(~used, stable=True)  # the used ids first, ascending
+
+    def one(u, y):
+        e = in_use[u]
+        return y + with_expert(w, e, ffn, x, jax.lax.dynamic_slice_in_dim(gate, e, 1, axis=1))
+
+    return jax.lax.fori_loop(0, jnp.sum(used), one, jnp.zeros(x.shape, jnp.float32))
+
+
+def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float) -> jnp.ndarray:
     """The shared expert (clamped like the routed ones): `[T, D]` -> `[T, D]` in w2's dtype."""
-    h = swiglu(dense(x, w1), dense(x, w3), limit)
-    return dense(h.astype(w2.dtype), w2)
+    return expert(x, w1, w2, w3, limit)

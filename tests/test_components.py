@@ -23,6 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_jax import attention as ours_attn  # noqa: E402
+from dsv4_jax import layer_weights  # noqa: E402
+from dsv4_jax.linear import _in_halves, dense  # noqa: E402
 from dsv4_jax.config import CSA, HCA, ModelConfig, Yarn  # noqa: E402
 from dsv4_jax.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
 from dsv4_jax.indexer import indexer_scores, select_topk  # noqa: E402
@@ -615,7 +617,7 @@ def test_hash_router():
 
 @pytest.mark.parametrize("T,routing", [(3, "uniform"), (512, "uniform"), (512, "skewed")])
 @torch.no_grad()
-def test_experts(T, routing):
+def test_experts(T, routing, monkeypatch):
     """routed_experts + shared_expert vs DeepseekV4Experts + DeepseekV4MLP with swiglu_limit 0.5
     (clamps active on both gate and up). Few tokens take the per-row path (block size 1), 512
     tokens over 8 experts the blocked path (block size > 1); "skewed" routing leaves some experts
@@ -664,6 +666,19 @@ def test_experts(T, routing):
     stacked = jax.jit(routed_experts, static_argnums=(6,))(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), *stack,
                                                            limit, jnp.int32(1))
     assert_close(stacked, routed_t, 1e-5, "routed experts read from layer stacks")
+    # CPU generate's form: one buffer per (layer, expert) (unstack_layers), each read in place;
+    # few tokens take each used expert once over every row, many tokens the blocks
+    monkeypatch.setattr(layer_weights, "MIN_ELEMENTS", 0)
+    split = layer_weights.unstack_layers({"layers": {"ffn": dict(zip(("w1", "w2", "w3"), stack))}})["layers"]["ffn"]
+    assert all(isinstance(split[n], layer_weights.PerExpert) for n in ("w1", "w2", "w3"))
+
+    @jax.jit
+    def in_place(x, idx, w, split, i):
+        layer = layer_weights.take_layer(split, i)
+        return routed_experts(x, idx, w, layer["w1"], layer["w2"], layer["w3"], limit)
+
+    assert_close(in_place(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), split, jnp.int32(1)), routed_t, 1e-5,
+                 "routed experts from per-expert buffers")
     assert_close(shared, shared_t, 1e-5, "shared expert")
     assert_close(_n(routed) + _n(shared), routed_t + shared_t, 1e-5, "routed + shared")
 
@@ -677,6 +692,23 @@ def test_experts(T, routing):
     assert (sh_gate > limit).any() and (sh_up.abs() > limit).any()
     unclamped = _routed_experts(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), w1, w2, w3, 0.0)
     assert _rel_err(unclamped, routed_t) > 1e-2
+
+
+@pytest.mark.parametrize("rows, out, inp, halves", [(1, 512, 512, True), (2, 1024, 256, True), (1, 4096, 256, False),
+                                                  (64, 512, 512, False), (1, 128, 512, False)])
+def test_dense_in_halves(rows, out, inp, halves):
+    """On CPU a projection of a few rows by a mid-sized weight runs as two half-weight products
+    batched (linear._in_halves; decode's speed): the same values as one product, and only where
+    meant. Tolerance 1e-6 relative: the same fp32 dot products over `inp` inputs, grouped
+    differently by the matmul library (observed ~1e-7)."""
+    g = np.random.default_rng(rows + out)
+    x = jnp.asarray(g.standard_normal((rows, 3, inp)), jnp.float32)[:, :1]
+    w = jnp.asarray(g.standard_normal((out, inp)), jnp.float32)
+    assert _in_halves(x, w) == (halves and jax.default_backend() == "cpu")
+    y = jax.jit(dense)(x, w)
+    ref = np.einsum("rti,oi->rto", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert y.shape == (rows, 1, out)
+    assert_close(y, ref, 1e-6, "dense")
 
 
 @pytest.mark.parametrize("n_rows, K, in_use", [(40, 4, 40), (300, 32, 300), (300, 32, 150), (80, 4, 80), (1000, 4, 60)],

@@ -533,25 +533,28 @@ def test_native_logits_equal_dequantized(native, converted):
 
 
 def test_native_decode_with_per_layer_weights(native, converted, monkeypatch):
-    """The CPU decode loop splits the large weights into one buffer per layer
-    (dsv4_jax/layer_weights.py), QuantizedWeights included. With every weight split, and with
-    none, greedy tokens from the native checkpoint equal those of the float32 conversion."""
+    """The CPU decode loop splits the large weights into one buffer per layer, and the routed
+    experts into one per (layer, expert) (dsv4_jax/layer_weights.py), QuantizedWeights included.
+    With every weight split, with the experts left stacked, and with nothing split, greedy tokens
+    from the native checkpoint equal those of the float32 conversion."""
     from dsv4_jax import layer_weights
 
     prompts = [list(map(int, np.random.default_rng(6).integers(0, CFG.vocab_size, n))) for n in (9, 30)]
     rows = {}
-    for name, min_elements in (("all", 0), ("none", 1 << 62)):
+    for name, min_elements, max_experts in (("all", 0, 1024), ("stacked experts", 0, 0), ("none", 1 << 62, 1024)):
         monkeypatch.setattr(layer_weights, "MIN_ELEMENTS", min_elements)
-        jax.clear_caches()  # the threshold is read at trace time
+        monkeypatch.setattr(layer_weights, "MAX_EXPERT_BUFFERS", max_experts)
         native_model = dsv4_jax.load(native)
+        split = layer_weights.unstack_layers(native_model.params)
+        w1, wkv = split["layers"]["ffn"]["w1"], split["layers"]["attn"]["wkv"]
         if name == "all":
-            split = layer_weights.unstack_layers(native_model.params)
-            assert isinstance(split["layers"]["ffn"]["w1"], layer_weights.PerLayer)
-            assert isinstance(split["layers"]["ffn"]["w1"].parts[0], QuantizedWeight)
+            assert isinstance(w1, layer_weights.PerExpert) and isinstance(w1.parts[0], QuantizedWeight)
+        else:
+            assert isinstance(w1, QuantizedWeight)
+        assert isinstance(wkv, layer_weights.PerLayer) == (name != "none")
         rows[name] = dsv4_jax.generate(native_model, prompts, 12).rows()
     rows["float32"] = dsv4_jax.generate(dsv4_jax.load(converted), prompts, 12).rows()
-    assert rows["all"] == rows["none"] == rows["float32"]
-    jax.clear_caches()
+    assert rows["all"] == rows["stacked experts"] == rows["none"] == rows["float32"]
 
 
 def test_native_mtp_and_float_source(native, quantized, tmp_path):

@@ -17,7 +17,8 @@ import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.cache import cache_bytes, init_cache
 from dsv4_jax.generate import _decode_loop, prefill_chunks, sample_logits
-from dsv4_jax.layer_weights import PerLayer, unstack_layers
+from dsv4_jax import layer_weights
+from dsv4_jax.layer_weights import PerExpert, PerLayer, unstack_layers
 from dsv4_jax.model import forward, step
 
 _step = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
@@ -203,37 +204,43 @@ def test_decode_has_no_cache_sized_copy():
     assert _cache_copies(loop, cache) == []
 
 
-def _weight_slices(hlo: str, shapes: set[str]) -> list[str]:
-    """Dynamic-slice instructions (ops or fusions, by name) whose result has one of `shapes` (a
-    layer's weight): a layer's weight copied out of its stack inside the layer loop."""
+def _weight_copies(hlo: str, shapes: set[str]) -> list[str]:
+    """Dynamic-slice and gather instructions (ops or fusions, by name) whose result is one of
+    `shapes` (a layer's weight, or one expert's, possibly several stacked: `[n, ...]`): a weight
+    copied out of its stack inside the layer loop."""
     found = []
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%(\S+) = f32\[([\d,]*)\]", line)
-        if m and re.search(r"dynamic[-_]slice", m.group(1)) and m.group(2) in shapes:
+        if m and re.search(r"dynamic[-_]slice|gather", m.group(1)) and (
+                m.group(2) in shapes or m.group(2).split(",", 1)[-1] in shapes):
             found.append(line.strip()[:160])
     return found
 
 
-def test_cpu_decode_reads_weights_in_place():
+def test_cpu_decode_reads_weights_in_place(monkeypatch):
     """layer_weights.py: on CPU generate splits the large stacked weights into one buffer per
-    layer (unstack_layers) before the decode loop, so no layer's weight is sliced out (copied)
-    per token; the plain step (stacked weights) does slice them, which is what this guards."""
+    layer, and the routed experts into one per (layer, expert) (unstack_layers) before the decode
+    loop, so no layer's weight and no expert is sliced or gathered out (copied) per token; the
+    plain step (stacked weights) does copy them, which is what this guards."""
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
     params = jax.tree.map(jnp.asarray, dsv4_jax.init_params(cfg, seed=0))
+    monkeypatch.setattr(layer_weights, "MIN_ELEMENTS", 1 << 10)  # this model's experts are smaller than flash-mini's
     split = unstack_layers(params)
-    per_layer = [x for x in jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, PerLayer))
-                 if isinstance(x, PerLayer)]
-    assert per_layer
-    shapes = {",".join(map(str, x.parts[0].shape)) for x in per_layer}
+    is_split = lambda x: isinstance(x, (PerLayer, PerExpert))  # noqa: E731
+    parts = [x for x in jax.tree.leaves(split, is_leaf=is_split) if is_split(x)]
+    experts = [x for x in parts if isinstance(x, PerExpert)]
+    assert len(experts) == 3 and all(len(x.parts) == cfg.num_layers * cfg.n_routed_experts for x in experts)
+    shapes = {",".join(map(str, x.parts[0].shape)) for x in parts}
     cache = init_cache(cfg, 2, 1024)
     i32, f32 = jnp.int32, jnp.float32
     stepped = jax.jit(step, static_argnums=(3, 4)).lower(
         params, cache, jnp.zeros((2, 1), i32), cfg, True).compile().as_text()
-    assert _weight_slices(stepped, shapes)  # the stacked layout does copy slices out
-    loop = _decode_loop.lower(unstack_layers(params), cache, jnp.zeros((2, cfg.vocab_size), f32),
+    copied = _weight_copies(stepped, shapes)  # the stacked layout does copy layers and experts out
+    assert any("gather" in c for c in copied) and any("gather" not in c for c in copied)
+    loop = _decode_loop.lower(split, cache, jnp.zeros((2, cfg.vocab_size), f32),
                               jnp.zeros((2, 64), i32), jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg,
                               f32(0), i32(0), f32(1), i32(-1)).compile().as_text()
-    assert _weight_slices(loop, shapes) == []
+    assert _weight_copies(loop, shapes) == []
 
 
 def test_cache_bytes_follow_kinds():
