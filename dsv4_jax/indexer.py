@@ -14,9 +14,11 @@ import jax.numpy as jnp
 def indexer_scores(q: jnp.ndarray, keys: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
     """q `[B, T, HI, dI]`, keys `[B, N, dI]`, weights `[B, T, HI]` (already / sqrt(HI)) ->
     scores fp32 `[B, T, N]`."""
-    s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    # keys as the left operand, its rows contracted along their last (contiguous) axis: with the
+    # keys on the right XLA:CPU first copied the whole key pool transposed, on every decode step
+    s = jnp.einsum("bnd,bthd->bnth", keys.astype(jnp.float32), q.astype(jnp.float32))
     s = jax.nn.relu(s) * (q.shape[-1] ** -0.5)
-    return jnp.einsum("bthn,bth->btn", s, weights.astype(jnp.float32))
+    return jnp.einsum("bnth,bth->btn", s, weights.astype(jnp.float32))
 
 
 def select_topk(scores: jnp.ndarray, n_visible: jnp.ndarray, k: int) -> jnp.ndarray:
