@@ -9,8 +9,8 @@ loop (`unstack_layers`: `PerLayer` leaves), and a layer reaches
 its own with a `lax.switch` over the layers wrapped around the op that reads it
 (`LayerWeight.apply`): each branch reads its buffer in place. The routed experts go one step
 further, one buffer per (layer, expert) (`PerExpert` leaves), since a gather of the chosen experts
-out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch over
-(layer, expert) wrapped around that expert's whole FFN (`with_expert`). The split costs one copy of
+out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch over the
+layers, then over the layer's experts, wrapped around that expert's whole FFN (`with_expert`). The split costs one copy of
 those weights per `generate` call, held while it runs.
 """
 
@@ -86,11 +86,19 @@ class LayerExperts:
 
 
 def with_expert(weights: tuple, e: jnp.ndarray, fn, *args):
-    """fn(expert e's weight from each of `weights` (LayerExperts of one layer), *args): one switch
-    over the (layer, expert) buffers, each branch reading its own in place."""
+    """fn(expert e's weight from each of `weights` (LayerExperts of one layer), *args): a switch
+    over the layers, then over that layer's experts, each branch reading its buffers in place.
+    (One flat switch over every (layer, expert) hands each branch all the buffers: flash-mini's
+    decode loop compiled in 10.5 s against 9.5 s.)"""
     n = weights[0].n_experts
-    branches = [partial(fn, *ws) for ws in zip(*(w.parts for w in weights))]
-    return jax.lax.switch(weights[0].index * n + e, branches, *args)
+
+    def layer(i):
+        def experts(e, *args):
+            own = zip(*(w.parts[i * n:(i + 1) * n] for w in weights))
+            return jax.lax.switch(e, [partial(fn, *ws) for ws in own], *args)
+        return experts
+
+    return jax.lax.switch(weights[0].index, [layer(i) for i in range(len(weights[0].parts) // n)], e, *args)
 
 
 def _is_leaf(x) -> bool:
