@@ -8,10 +8,11 @@ large stacked weights into one array per layer once per call, before its prefill
 loop (`unstack_layers`: `PerLayer` leaves), and a layer reaches
 its own with a `lax.switch` over the layers wrapped around the op that reads it
 (`LayerWeight.apply`): each branch reads its buffer in place. The routed experts go one step
-further, one buffer per (layer, expert) (`PerExpert` leaves), since a gather of the chosen experts
-out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch over the
-layers, then over the layer's experts, wrapped around that expert's whole FFN (`with_expert`). The split costs one copy of
-those weights per `generate` call, held while it runs.
+further, one buffer per (layer, expert) (`PerExpert` leaves), since a gather of the chosen
+experts out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch
+over the layers, then over the layer's experts, wrapped around that expert's whole FFN
+(`with_expert`). The split costs one copy of those weights per `generate` call, held while it
+runs.
 """
 
 from __future__ import annotations
