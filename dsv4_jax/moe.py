@@ -123,9 +123,9 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
 
 
 def _each_used_expert(x, experts, weights, w, ffn) -> jnp.ndarray:
-    """`routed_experts` for a decode-sized batch with LayerExperts: each expert in use once, in
-    id order, on every row (weight 0 on the rows that did not choose it), so each is read once
-    and in place however many rows chose it."""
+    """`routed_experts` for a decode-sized batch with LayerExperts w = (w1, w2, w3): each expert
+    in use once, in id order, on every row of x `[T, D]` (weight 0 on the rows that did not
+    choose it), so each is read once and in place however many rows chose it. fp32 `[T, D]`."""
     T, k = experts.shape
     E = w[0].n_experts
     gate = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], experts].add(weights)  # [T, E]
