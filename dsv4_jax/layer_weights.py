@@ -136,16 +136,10 @@ def unstack_layers(params: dict) -> dict:
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path({k: params[k] for k in STACKS if k in params},
                                                            is_leaf=_is_leaf)
-    todo = [(x, lead(path, x)) for path, x in leaves if lead(path, x)]
-    parts = iter(_split([x for x, _ in todo], tuple(n for _, n in todo)))
-
-    def leaf(path, x):
-        n = lead(path, x)
-        if n == 0:
-            return x
-        return PerLayer(next(parts)) if n == 1 else PerExpert(next(parts), x.shape[1])
-
-    split = [leaf(path, x) for path, x in leaves]
+    leads = [lead(path, x) for path, x in leaves]
+    parts = iter(_split([x for (_, x), n in zip(leaves, leads) if n], tuple(n for n in leads if n)))
+    split = [x if n == 0 else PerLayer(next(parts)) if n == 1 else PerExpert(next(parts), x.shape[1])
+             for (_, x), n in zip(leaves, leads)]
     return {**params, **jax.tree_util.tree_unflatten(treedef, split)}
 
 
