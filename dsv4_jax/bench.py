@@ -57,9 +57,11 @@ QUICK_MODEL = dict(
 )
 
 FULL_SIZES = dict(prefill_len=2048, prompt_len=64, new_tokens=64, batches=(1, 8), contexts=(1024, 4096, 16384),
-                  hf_contexts=(1024, 4096), hf_new_tokens=(32, 16), repeats=5, hf_repeats=3, step_repeats=20)
+                  hf_contexts=(1024, 4096), hf_new_tokens=(32, 16), repeats=5, hf_repeats=3, step_repeats=20,
+                  step_rounds=11)
 QUICK_SIZES = dict(prefill_len=256, prompt_len=16, new_tokens=8, batches=(1, 2), contexts=(128, 512),
-                   hf_contexts=(128,), hf_new_tokens=(4, 4), repeats=2, hf_repeats=1, step_repeats=3)
+                   hf_contexts=(128,), hf_new_tokens=(4, 4), repeats=2, hf_repeats=1, step_repeats=3,
+                   step_rounds=2)
 
 GOALS = {  # name: (measured key, comparison, threshold)
     "decode_b1_speedup": ("ratios.decode_tokens_per_s_b1", ">=", 2.5),
@@ -235,33 +237,42 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
 
     # decode step time at context C: generate()'s decode loop over step_repeats tokens from an
     # empty cache of max_len C + 128 with pos set to C (the work per step depends only on shapes
-    # and masks, not on the cache contents)
-    steps = {}
+    # and masks, not on the cache contents). The contexts take turns, one timed run each per
+    # round, so that the machine's drift over the minutes of a run (it is shared) moves every
+    # context's figure alike instead of the ratio between them.
     n = sizes["step_repeats"]
     tok = rng.integers(0, cfg.vocab_size, size=(1,)).astype(np.int32)
+    runners, compiled = {}, {}
     for C in sizes["contexts"]:
         max_len = C + 128
         buf = jnp.asarray(np.zeros((1, C + n), np.int32))
         lengths = jnp.full((1,), C, i32)
         extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), i32(-1))
 
-        def setup():
+        def setup(C=C, max_len=max_len):
             cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
             return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
 
-        logits, cache = setup()
-        c_s = _compile_seconds(_decode_loop, split, cache, logits, buf, lengths, i32(n), *extra)
-
-        def decode(s):
+        def decode(s, buf=buf, lengths=lengths, extra=extra):
             toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, lengths, i32(n), *extra)
             jax.block_until_ready(toks)
             assert int(n_gen[0]) == n
 
-        decode(setup())  # warm-up
-        t, ts = _median_time(decode, sizes["repeats"], setup)
-        steps[str(C)] = {"ms": 1e3 * t / n, "min_ms": 1e3 * min(ts) / n, "steps_timed": n * len(ts),
-                         "max_len": max_len, "compile_s": c_s}
+        logits, cache = setup()
+        compiled[C] = _compile_seconds(_decode_loop, split, cache, logits, buf, lengths, i32(n), *extra)
         del logits, cache
+        decode(setup())  # warm-up
+        runners[C] = (decode, setup)
+    times = {C: [] for C in runners}
+    for _ in range(sizes["step_rounds"]):
+        for C, (decode, setup) in runners.items():
+            state = setup()
+            t0 = time.perf_counter()
+            decode(state)
+            times[C].append(time.perf_counter() - t0)
+    steps = {str(C): {"ms": 1e3 * statistics.median(ts) / n, "min_ms": 1e3 * min(ts) / n,
+                      "steps_timed": n * len(ts), "max_len": C + 128, "compile_s": compiled[C]}
+             for C, ts in times.items()}
     out["decode_step"] = steps
     cs = [int(c) for c in steps]
     out["decode_step_growth_16k_over_1k"] = steps[str(max(cs))]["ms"] / steps[str(min(cs))]["ms"]
@@ -477,7 +488,8 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
         "transformers = a greedy loop of model(next_token, cache=...) calls (no generate() overhead).",
         "ours decode_step at context C: generate()'s decode loop (step_repeats tokens, greedy) from an empty "
         "cache of max_len C + 128 with cache['pos'] set to C (the work per step depends only on shapes and "
-        "masks, not on the cache contents), ms per token; transformers: a real prefill of "
+        "masks, not on the cache contents), ms per token, the median of step_rounds runs taken in turns with the "
+        "other contexts; transformers: a real prefill of "
         "C tokens, then single steps.",
         "torch threads: env.torch_threads (os.cpu_count() unless env.torch_thread_probe found the machine "
         "oversubscribed or --torch-threads forced it); XLA CPU uses its own thread pool over the same cores. "

@@ -80,7 +80,7 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
         return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
 
     if b == 1 and in_place:
-        return _each_used_expert(x, experts, weights, (w1, w2, w3), ffn)
+        return _each_pair(x, experts, weights, (w1, w2, w3), ffn)
     n_blocks = -(-(rows + E * (b - 1)) // b)
     flat_e = experts.reshape(-1)
     flat_t = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
@@ -122,21 +122,25 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     return out[:T]
 
 
-def _each_used_expert(x, experts, weights, w, ffn) -> jnp.ndarray:
-    """`routed_experts` for a decode-sized batch with LayerExperts w = (w1, w2, w3): each expert
-    in use once, in id order, on every row of x `[T, D]` (weight 0 on the rows that did not
-    choose it), so each is read once and in place however many rows chose it. fp32 `[T, D]`."""
+def _each_pair(x, experts, weights, w, ffn) -> jnp.ndarray:
+    """`routed_experts` for a decode-sized batch with LayerExperts w = (w1, w2, w3): each
+    (row, slot) pair as a one-row FFN, in expert order, so that an expert two rows chose is read
+    again from cache. On CPU a product of one row by a weight runs at several times the rate of a
+    product of 8 rows by it (flash-mini at batch 8: 21.7-22.4 against 17.6-18.5 ms a step, when
+    each used expert ran once over all the rows, with weight 0 on those that had not chosen it).
+    x `[T, D]` -> fp32 `[T, D]`."""
     T, k = experts.shape
-    E = w[0].n_experts
-    gate = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], experts].add(weights)  # [T, E]
-    used = jnp.zeros((E,), bool).at[experts.reshape(-1)].set(True)
-    in_use = jnp.argsort(~used, stable=True)  # the used ids first, ascending
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    pair_expert, pair_row, pair_weight = flat[order], order // k, weights.reshape(-1)[order]
 
-    def one(u, y):
-        e = in_use[u]
-        return y + with_expert(w, e, ffn, x, jax.lax.dynamic_slice_in_dim(gate, e, 1, axis=1))
+    def one(j, y):
+        t = pair_row[j]
+        out = with_expert(w, pair_expert[j], ffn, jax.lax.dynamic_slice_in_dim(x, t, 1),
+                          pair_weight[j].reshape(1, 1))
+        return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, t, 1) + out, t, 0)
 
-    return jax.lax.fori_loop(0, jnp.sum(used), one, jnp.zeros(x.shape, jnp.float32))
+    return jax.lax.fori_loop(0, T * k, one, jnp.zeros(x.shape, jnp.float32))
 
 
 def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float) -> jnp.ndarray:

@@ -667,7 +667,7 @@ def test_experts(T, routing, monkeypatch):
                                                            limit, jnp.int32(1))
     assert_close(stacked, routed_t, 1e-5, "routed experts read from layer stacks")
     # CPU generate's form: one buffer per (layer, expert) (unstack_layers), each read in place;
-    # few tokens take each used expert once over every row, many tokens the blocks
+    # few tokens run each (token, slot) pair as a one-row FFN, many tokens the blocks
     monkeypatch.setattr(layer_weights, "MIN_ELEMENTS", 0)
     split = layer_weights.unstack_layers({"layers": {"ffn": dict(zip(("w1", "w2", "w3"), stack))}})["layers"]["ffn"]
     assert all(isinstance(split[n], layer_weights.PerExpert) for n in ("w1", "w2", "w3"))
