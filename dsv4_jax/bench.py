@@ -242,7 +242,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     # context's figure alike instead of the ratio between them.
     n = sizes["step_repeats"]
     tok = rng.integers(0, cfg.vocab_size, size=(1,)).astype(np.int32)
-    runners, compiled = {}, {}
+    runners, steps = {}, {}
     for C in sizes["contexts"]:
         max_len = C + 128
         buf = jnp.asarray(np.zeros((1, C + n), np.int32))
@@ -259,7 +259,8 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
             assert int(n_gen[0]) == n
 
         logits, cache = setup()
-        compiled[C] = _compile_seconds(_decode_loop, split, cache, logits, buf, lengths, i32(n), *extra)
+        steps[str(C)] = {"max_len": max_len,
+                         "compile_s": _compile_seconds(_decode_loop, split, cache, logits, buf, lengths, i32(n), *extra)}
         del logits, cache
         decode(setup())  # warm-up
         runners[C] = (decode, setup)
@@ -270,9 +271,8 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
             t0 = time.perf_counter()
             decode(state)
             times[C].append(time.perf_counter() - t0)
-    steps = {str(C): {"ms": 1e3 * statistics.median(ts) / n, "min_ms": 1e3 * min(ts) / n,
-                      "steps_timed": n * len(ts), "max_len": C + 128, "compile_s": compiled[C]}
-             for C, ts in times.items()}
+    for C, ts in times.items():
+        steps[str(C)].update(ms=1e3 * statistics.median(ts) / n, min_ms=1e3 * min(ts) / n, steps_timed=n * len(ts))
     out["decode_step"] = steps
     cs = [int(c) for c in steps]
     out["decode_step_growth_16k_over_1k"] = steps[str(max(cs))]["ms"] / steps[str(min(cs))]["ms"]

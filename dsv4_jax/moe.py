@@ -79,22 +79,20 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
         return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
 
-    if b == 1 and in_place:
-        return _each_pair(x, experts, weights, (w1, w2, w3), ffn)
-    n_blocks = -(-(rows + E * (b - 1)) // b)
     flat_e = experts.reshape(-1)
-    flat_t = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
-    flat_w = weights.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    sorted_e = flat_e[order]
+    order = jnp.argsort(flat_e, stable=True)  # the (token, slot) pairs in expert order
+    sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
+    if b == 1 and in_place:
+        return _each_pair(x, sorted_e, sorted_t, sorted_w, (w1, w2, w3), ffn)
+    n_blocks = -(-(rows + E * (b - 1)) // b)
     counts = jnp.zeros((E,), jnp.int32).at[flat_e].add(1)
     padded = (counts + b - 1) // b * b
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     start = jnp.cumsum(counts) - counts
     dest = padded_start[sorted_e] + jnp.arange(rows, dtype=jnp.int32) - start[sorted_e]
-    slot_token = jnp.full((n_blocks * b,), T, jnp.int32).at[dest].set(flat_t[order])
-    slot_weight = jnp.zeros((n_blocks * b,), jnp.float32).at[dest].set(flat_w[order])
+    slot_token = jnp.full((n_blocks * b,), T, jnp.int32).at[dest].set(sorted_t)
+    slot_weight = jnp.zeros((n_blocks * b,), jnp.float32).at[dest].set(sorted_w)
     block_expert = jnp.minimum(
         jnp.searchsorted(padded_end, jnp.arange(n_blocks, dtype=jnp.int32) * b, side="right"), E - 1)
 
@@ -122,17 +120,13 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     return out[:T]
 
 
-def _each_pair(x, experts, weights, w, ffn) -> jnp.ndarray:
+def _each_pair(x, pair_expert, pair_row, pair_weight, w, ffn) -> jnp.ndarray:
     """`routed_experts` for a decode-sized batch with LayerExperts w = (w1, w2, w3): each
-    (row, slot) pair as a one-row FFN, in expert order, so that an expert two rows chose is read
-    again from cache. On CPU a product of one row by a weight runs at several times the rate of a
-    product of 8 rows by it (flash-mini at batch 8: 21.7-22.4 against 17.6-18.5 ms a step, when
-    each used expert ran once over all the rows, with weight 0 on those that had not chosen it).
-    x `[T, D]` -> fp32 `[T, D]`."""
-    T, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    pair_expert, pair_row, pair_weight = flat[order], order // k, weights.reshape(-1)[order]
+    (row, slot) pair (its expert, row and routing weight, `[T * k]` each, in expert order) as a
+    one-row FFN, so that an expert two rows chose is read again from cache. On CPU a product of
+    one row by a weight runs at several times the rate of a product of 8 rows by it (flash-mini
+    at batch 8: 21.7-22.4 against 17.6-18.5 ms a step, when each used expert ran once over all
+    the rows, with weight 0 on those that had not chosen it). x `[T, D]` -> fp32 `[T, D]`."""
 
     def one(j, y):
         t = pair_row[j]
@@ -140,7 +134,7 @@ def _each_pair(x, experts, weights, w, ffn) -> jnp.ndarray:
                           pair_weight[j].reshape(1, 1))
         return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, t, 1) + out, t, 0)
 
-    return jax.lax.fori_loop(0, T * k, one, jnp.zeros(x.shape, jnp.float32))
+    return jax.lax.fori_loop(0, pair_expert.shape[0], one, jnp.zeros(x.shape, jnp.float32))
 
 
 def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float) -> jnp.ndarray:
