@@ -70,13 +70,19 @@ def window_indices(p0: jnp.ndarray, T: int, window: int) -> jnp.ndarray:
 
 
 def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
-                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig):
+                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None):
     """Runs a compressor over the chunk x `[B, T, D]` at positions p0.. with its carried state.
 
     state_a/z fp32 `[B, coff * ratio, C]` (coff = 2 with overlap): the projections of positions
     base .. p0-1, base = (p0 // ratio - coff + 1) * ratio (rows from p0 on are don't-cares).
     Returns (entries `[B, n, d]` for entries p0 // ratio + i, i < n = (T + ratio - 1) // ratio,
-    zero where i >= n_new; n_new, the number of blocks the chunk completes; the new state).
+    zero where i >= n_new; n_new, the number of blocks the chunk completes; the new state). A
+    decode step (T = 1) without overlap returns only the token's row of the new state, `[B, 1, C]`,
+    for row p0 % ratio: the rest is unchanged (or, once the block completes, don't-cares), and
+    rewriting the whole state (128 rows) every step took about 1 ms of a batch-8 flash-mini step.
+    With `layer`, state_a/z are the kind's stacks `[n, B, coff * ratio, C]`, read at that layer only
+    where the state is used: such a decode step reads it only when it completes a block (a slice
+    taken before the `lax.cond` is copied out of the stack on every step).
     """
     B, T, _ = x.shape
     coff = 2 if ratio == CSA else 1
@@ -86,11 +92,19 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     a = dense(xf, cp["wkv"].astype(jnp.float32))
     z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
     offset = (coff - 1) * ratio + p0 % ratio
+
+    def state():
+        if layer is None:
+            return state_a, state_z
+        return tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (state_a, state_z))
+
     if T == 1:  # decode: the token's row falls inside the state (its block, and the previous one);
         # selected in, not written in place, which would make XLA copy the cache's state first
-        at = (jnp.arange(coff * ratio) == offset)[None, :, None]
-        span_a, span_z = jnp.where(at, a, state_a), jnp.where(at, z, state_z)
+        def span():
+            at = (jnp.arange(coff * ratio) == offset)[None, :, None]
+            return tuple(jnp.where(at, new, old) for new, old in zip((a, z), state()))
     else:  # a span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk
+        state_a, state_z = state()
         span = (coff + n) * ratio
         c = a.shape[-1]
         span_a = jnp.zeros((B, span, c), jnp.float32).at[:, : coff * ratio].set(state_a)
@@ -105,7 +119,7 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     cos, sin = cos_sin((first + jnp.arange(n)) * ratio, freqs)
     cos, sin = jnp.broadcast_to(cos, (B,) + cos.shape), jnp.broadcast_to(sin, (B,) + sin.shape)
 
-    def pool():
+    def pool(span_a, span_z):
         entries = pallas_kernels.compress(
             span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
             prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
@@ -114,16 +128,17 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
 
     if T == 1:  # decode completes a block on one step in `ratio`: pool only then
         d = cp["norm"].shape[-1]
-        entries = jax.lax.cond(n_new > 0, pool, lambda: jnp.zeros((B, n, d), x.dtype))
-        # A completed block moves the state on by a block: with overlap the token's block becomes
-        # the previous one; without, every row is then a don't-care.
-        new_a, new_z = span_a, span_z
-        if coff == 2:
-            new_a, new_z = (jnp.where(n_new > 0, jnp.roll(s, -ratio, axis=1), s) for s in (span_a, span_z))
+        # (the span built inside the branch, so that only a completing step reads the state)
+        entries = jax.lax.cond(n_new > 0, lambda: pool(*span()), lambda: jnp.zeros((B, n, d), x.dtype))
+        if coff == 1:  # without overlap a completed block leaves only don't-cares: the row is all
+            return entries, n_new, a, z
+        # with overlap a completed block moves the state on by a block: the token's block becomes
+        # the previous one
+        new_a, new_z = (jnp.where(n_new > 0, jnp.roll(s, -ratio, axis=1), s) for s in span())
         return entries, n_new, new_a, new_z
     new_a = jax.lax.dynamic_slice_in_dim(span_a, n_new * ratio, coff * ratio, axis=1)
     new_z = jax.lax.dynamic_slice_in_dim(span_z, n_new * ratio, coff * ratio, axis=1)
-    return pool(), n_new, new_a, new_z
+    return pool(span_a, span_z), n_new, new_a, new_z
 
 
 def in_entry_order(pool: jnp.ndarray, entries: jnp.ndarray, first_new: jnp.ndarray) -> jnp.ndarray:

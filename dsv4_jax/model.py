@@ -94,6 +94,16 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
 
+def _put_row(stack: jnp.ndarray, rows: jnp.ndarray, layer, slot, write) -> jnp.ndarray:
+    """stack `[L, B, N, D]` with rows `[B, 1, D]` at [layer, :, slot] where `write`, else as it was.
+    A decode step's single row per sequence goes in as an in-place update of those B rows rather
+    than the general scatter (`.at[...].set(mode="drop")`): the cache writes of a batch-8
+    flash-mini step took 0.92-0.94 ms in the profile that way, 0.36-0.38 ms this way."""
+    start = (layer, 0, slot, 0)
+    old = jax.lax.dynamic_slice(stack, start, (1,) + rows.shape)
+    return jax.lax.dynamic_update_slice(stack, jnp.where(write, rows[None].astype(stack.dtype), old), start)
+
+
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
          measure_reuse: bool = False):
     """Runs T tokens per row through the model at positions cache["pos"] .. + T - 1.
@@ -118,10 +128,15 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     n4, n128 = (T + CSA - 1) // CSA, (T + HCA - 1) // HCA
     groups = [g for g in ("window", "csa", "indexer", "hca") if g in cache]  # cache groups, payload order
 
+    def state_row(group: str) -> bool:
+        """Whether the group's state payload is one row (decode without overlap: compress_chunk)."""
+        return T == 1 and group == "hca"
+
     def nothing(group: str) -> dict:
         """The payload of a group this branch does not write: zeros, no entry to store."""
         c = cache[group]
-        out = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in c.items() if k.startswith("state_")}
+        out = {k: jnp.zeros(v.shape[1:2] + (1,) + v.shape[3:] if state_row(group) else v.shape[1:], v.dtype)
+               for k, v in c.items() if k.startswith("state_")}
         if "ring" in c:
             out["ring_rows"] = jnp.zeros((B, n_keep, cfg.head_dim), c["ring"].dtype)
         if "pool" in c:
@@ -179,7 +194,8 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     def hca_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
         own, c = take_layer(params["hca"], local), take_layer(caches["hca"], local)
         entries, n_new, sa, sz = attention.compress_chunk(
-            own["compressor"], x, c["state_a"], c["state_z"], p0, HCA, compress_freqs, cfg)
+            own["compressor"], x, caches["hca"]["state_a"], caches["hca"]["state_z"], p0, HCA, compress_freqs, cfg,
+            layer=local)
         P = c["pool"].shape[1]
         ids = jnp.arange(P, dtype=jnp.int32)
         ids = jnp.where(ids[None, :] < attention.visible_entries(p0, T, HCA)[:, None], ids[None, :], -1)
@@ -197,20 +213,31 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     writers = {"window": ("window",), "csa": ("csa", "csa_reuse"), "hca": ("hca",),
                "indexer": ("csa",) if cfg.index_cache_skip_compressor else ("csa", "csa_reuse")}
 
-    def store(group_cache: dict, payload: dict, target, ratio) -> dict:
+    def store(group: str, group_cache: dict, payload: dict, target, ratio) -> dict:
         """Writes a group's payload into layer `target` of its stacks (out of range: dropped)."""
         out = dict(group_cache)
+        n_layers = next(iter(group_cache.values())).shape[0]
         if "ring" in group_cache:
-            out["ring"] = group_cache["ring"].at[target, :, ring_slots].set(
-                jnp.swapaxes(payload["ring_rows"], 0, 1), mode="drop")
+            if n_keep == 1:
+                out["ring"] = _put_row(group_cache["ring"], payload["ring_rows"], target, ring_slots[0],
+                                       target < n_layers)
+            else:
+                out["ring"] = group_cache["ring"].at[target, :, ring_slots].set(
+                    jnp.swapaxes(payload["ring_rows"], 0, 1), mode="drop")
         for k in group_cache:
-            if k.startswith("state_"):
+            if k.startswith("state_") and state_row(group):
+                out[k] = _put_row(group_cache[k], payload[k], target, p0 % ratio, target < n_layers)
+            elif k.startswith("state_"):
                 out[k] = group_cache[k].at[target].set(payload[k], mode="drop")
         if ratio is not None:
-            i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)
-            rows = jnp.where(i < payload["n_new"], p0 // ratio + i, group_cache["pool"].shape[2])
-            out["pool"] = group_cache["pool"].at[target, :, rows].set(
-                jnp.swapaxes(payload["entries"], 0, 1), mode="drop")
+            pool, first = group_cache["pool"], p0 // ratio
+            if payload["entries"].shape[1] == 1:
+                out["pool"] = _put_row(pool, payload["entries"], target, first,
+                                       (target < n_layers) & (payload["n_new"] > 0) & (first < pool.shape[2]))
+            else:
+                i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)
+                rows = jnp.where(i < payload["n_new"], first + i, pool.shape[2])
+                out["pool"] = pool.at[target, :, rows].set(jnp.swapaxes(payload["entries"], 0, 1), mode="drop")
         return out
 
     def body(carry, xs):
@@ -235,7 +262,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
             writes = jnp.isin(branch, jnp.asarray([i for i, b in enumerate(sched.branches) if b in writers[group]]))
             index = index_local if group == "indexer" else local
             target = jnp.where(writes, index, caches[group][next(iter(caches[group]))].shape[0])
-            new[group] = store(caches[group], payload, target, ratio_of[group])
+            new[group] = store(group, caches[group], payload, target, ratio_of[group])
         h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb)
 
         u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)

@@ -6,6 +6,7 @@ grouping (observed: below 1e-6).
 """
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,70 @@ def test_decode_has_no_cache_sized_copy():
                               jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
                               i32(-1)).compile().as_text()
     assert _cache_copies(loop, cache) == []
+
+
+def _computations_under_branches(hlo: str) -> tuple[dict, set]:
+    """The compiled module's computations (name -> instruction lines), and the names of those that
+    run only inside a `conditional`'s branches (its branch computations and what they call)."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if m:
+            name = m.group(1)
+            comps[name] = []
+        elif name and line.startswith("  "):
+            comps[name].append(line)
+    todo = [b for lines in comps.values() for line in lines if " conditional(" in line
+            for b in re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", line).group(1))]
+    under = set()
+    while todo:
+        c = todo.pop()
+        if c not in under:
+            under.add(c)
+            todo += [n for line in comps[c] for n in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)]
+    return comps, under
+
+
+def test_decode_reads_the_ratio_128_state_only_when_pooling():
+    """A decode step of the non-overlapping compressor (compress_chunk with `layer`, as the model's
+    ratio-128 branch calls it) slices its layer's `[B, 128, C]` state out of the stacks only in the
+    branch that pools a completed block, and returns the token's row alone; the state taken before
+    the `lax.cond` was copied out of the stacks on every step. The result equals compress_chunk on
+    the layer's state sliced beforehand, in decode and for a chunk."""
+    from dsv4_jax import attention
+    from dsv4_jax.config import HCA
+    from dsv4_jax.rope import layer_inv_freqs
+
+    cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
+    params = dsv4_jax.init_params(cfg, seed=0)
+    cp = jax.tree.map(lambda a: a[0], params["hca"]["compressor"])
+    freqs = jnp.asarray(layer_inv_freqs(cfg)[1])
+    B, n, C = 2, 3, cp["wkv"].shape[0]
+    rng = np.random.default_rng(0)
+    sa = jnp.asarray(rng.standard_normal((n, B, HCA, C)), jnp.float32)
+    sz = jnp.asarray(rng.standard_normal((n, B, HCA, C)), jnp.float32)
+
+    def run(x, p0, layer, stacked):
+        if stacked:
+            return attention.compress_chunk(cp, x, sa, sz, p0, HCA, freqs, cfg, layer=layer)
+        return attention.compress_chunk(cp, x, sa[layer], sz[layer], p0, HCA, freqs, cfg)
+
+    decode = jax.jit(partial(run, stacked=True))
+    x1 = jnp.zeros((B, 1, cfg.hidden_size), jnp.float32)
+    comps, under = _computations_under_branches(
+        decode.lower(x1, jnp.int32(5), jnp.int32(1)).compile().as_text())
+    layer_state = f"f32[{B},{HCA},{C}]"
+    outside = [line.strip()[:120] for c, lines in comps.items() if c not in under for line in lines
+               if re.search(rf"= {re.escape(layer_state)}\S* ", line)]
+    assert outside == [] and any(layer_state in line for c in under for line in comps[c])
+    for T, p0 in ((1, 5), (1, HCA - 1), (3, 2 * HCA - 2)):  # mid-block, completing a block, a chunk across one
+        x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+        got = jax.jit(partial(run, stacked=True))(x, jnp.int32(p0), jnp.int32(1))
+        want = jax.jit(partial(run, stacked=False, layer=1))(x, jnp.int32(p0))
+        if T == 1:
+            assert got[2].shape == (B, 1, C)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _weight_copies(hlo: str, shapes: set[str]) -> list[str]:
