@@ -216,24 +216,23 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     def store(group: str, group_cache: dict, payload: dict, target, ratio) -> dict:
         """Writes a group's payload into layer `target` of its stacks (out of range: dropped)."""
         out = dict(group_cache)
-        n_layers = next(iter(group_cache.values())).shape[0]
+        inside = target < next(iter(group_cache.values())).shape[0]  # this group has the layer
         if "ring" in group_cache:
             if n_keep == 1:
-                out["ring"] = _put_row(group_cache["ring"], payload["ring_rows"], target, ring_slots[0],
-                                       target < n_layers)
+                out["ring"] = _put_row(group_cache["ring"], payload["ring_rows"], target, ring_slots[0], inside)
             else:
                 out["ring"] = group_cache["ring"].at[target, :, ring_slots].set(
                     jnp.swapaxes(payload["ring_rows"], 0, 1), mode="drop")
         for k in group_cache:
             if k.startswith("state_") and state_row(group):
-                out[k] = _put_row(group_cache[k], payload[k], target, p0 % ratio, target < n_layers)
+                out[k] = _put_row(group_cache[k], payload[k], target, p0 % ratio, inside)
             elif k.startswith("state_"):
                 out[k] = group_cache[k].at[target].set(payload[k], mode="drop")
         if ratio is not None:
             pool, first = group_cache["pool"], p0 // ratio
             if payload["entries"].shape[1] == 1:
                 out["pool"] = _put_row(pool, payload["entries"], target, first,
-                                       (target < n_layers) & (payload["n_new"] > 0) & (first < pool.shape[2]))
+                                       inside & (payload["n_new"] > 0) & (first < pool.shape[2]))
             else:
                 i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)
                 rows = jnp.where(i < payload["n_new"], first + i, pool.shape[2])
