@@ -131,7 +131,7 @@ def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
     return out
 
 
-def nonfinite_counts(arr: np.ndarray, block: int = 1 << 24) -> tuple[int, int]:
+def nonfinite_counts(arr: np.ndarray, block: int = 1 << 22) -> tuple[int, int]:
     """(NaN count, infinite count) of an array (0, 0 for integers), `block` elements at a time so
     the masks stay small next to the tensor."""
     if arr.dtype.kind in "iub":
