@@ -139,6 +139,17 @@ class CheckpointWriter:
         fut.result()
         self.inflight -= arr.nbytes
 
+    def abort(self) -> None:
+        """Waits for the writes in flight, ignoring their errors: after an error elsewhere, so
+        that nothing lands in the directory once it has been removed."""
+        while self.pending:
+            fut, _ = self.pending.popleft()
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001  the error being handled is the one to report
+                pass
+        self.inflight = 0
+
     def close(self, extra: dict | None = None) -> None:
         """Waits for every write, then writes Orbax's `_METADATA` (custom_metadata: FORMAT, the
         leaves' meta and `extra`) and `_CHECKPOINT_METADATA`."""
