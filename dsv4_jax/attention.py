@@ -1,4 +1,6 @@
-"""Attention of one layer over a chunk of T tokens at positions p0 .. p0+T-1, given the cache.
+"""Attention of one layer over a chunk of T tokens per row, row b at positions p0[b] .. p0[b]+T-1,
+given the cache. Every row has its own position: its own window-ring slots, compression-block
+phase, pool length, RoPE positions and causal limits (`p0` is int32 `[B]`; a scalar is broadcast).
 
 Every layer attends to a sliding window of `sliding_window` keys (the token itself included):
 cached ring rows for positions before p0, the chunk's own rows after. Ratio-4 layers add the
@@ -60,38 +62,51 @@ def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mod
     return dense(with_weight(grouped, p["wo_a"], o), p["wo_b"])
 
 
+def row_positions(p0, batch: int) -> jnp.ndarray:
+    """p0 as int32 `[B]`: one first position per row (a scalar is every row's)."""
+    return jnp.broadcast_to(jnp.asarray(p0, jnp.int32), (batch,))
+
+
 def window_indices(p0: jnp.ndarray, T: int, window: int) -> jnp.ndarray:
-    """`[T, W]` int32 indices into [ring (W rows) | chunk (T rows)]: for the query at p0 + i the
-    positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot s % W, from p0 on the chunk
-    row s - p0; -1 before position 0."""
+    """`[B, T, W]` int32 indices into [ring (W rows) | chunk (T rows)] for p0 `[B]`: for the query at
+    p0 + i the positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot s % W, from p0 on
+    the chunk row s - p0; -1 before position 0."""
+    p0 = p0[:, None, None]
     s = p0 + jnp.arange(T, dtype=jnp.int32)[:, None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, :]
     idx = jnp.where(s < p0, s % window, window + s - p0)
     return jnp.where(s >= 0, idx, -1)
 
 
 def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
-                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None):
-    """Runs a compressor over the chunk x `[B, T, D]` at positions p0.. with its carried state.
+                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None,
+                   n_valid: jnp.ndarray | None = None):
+    """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its carried state.
 
-    state_a/z fp32 `[B, coff * ratio, C]` (coff = 2 with overlap): the projections of positions
+    state_a/z fp32 `[B, coff * ratio, C]` (coff = 2 with overlap): row b's projections of positions
     base .. p0-1, base = (p0 // ratio - coff + 1) * ratio (rows from p0 on are don't-cares).
-    Returns (entries `[B, n, d]` for entries p0 // ratio + i, i < n = (T + ratio - 1) // ratio,
-    zero where i >= n_new; n_new, the number of blocks the chunk completes; the new state). A
-    decode step (T = 1) without overlap returns only the token's row of the new state, `[B, 1, C]`,
-    for row p0 % ratio: the rest is unchanged (or, once the block completes, don't-cares), and
-    rewriting the whole state (128 rows) every step took about 1 ms of a batch-8 flash-mini step.
+    n_valid int32 `[B]` (default T): row b's real tokens, the first n_valid[b] of its chunk; the
+    rest are padding, which completes no block and only reaches the state's don't-care rows.
+    Returns (entries `[B, n, d]`, row b's entry i being entry p0[b] // ratio + i, i < n =
+    (T + ratio - 1) // ratio, zero where i >= n_new[b]; n_new int32 `[B]`, the blocks each row
+    completes; the new state). A decode step (T = 1) without overlap returns only the token's row
+    of the new state, `[B, 1, C]`, for row p0 % ratio: the rest is unchanged (or, once the block
+    completes, don't-cares), and rewriting the whole state (128 rows) every step took about 1 ms
+    of a batch-8 flash-mini step. A decode step with overlap returns the whole state, unchanged
+    for a row without a token.
     With `layer`, state_a/z are the kind's stacks `[n, B, coff * ratio, C]`, read at that layer only
-    where the state is used: such a decode step reads it only when it completes a block (a slice
-    taken before the `lax.cond` is copied out of the stack on every step).
+    where the state is used: such a decode step reads it only when a row completes a block (a
+    slice taken before the `lax.cond` is copied out of the stack on every step).
     """
     B, T, _ = x.shape
+    p0 = row_positions(p0, B)
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
     coff = 2 if ratio == CSA else 1
     n = (T + ratio - 1) // ratio
     xf = x.astype(jnp.float32)
-    pos = p0 + jnp.arange(T, dtype=jnp.int32)
+    pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
     a = dense(xf, cp["wkv"].astype(jnp.float32))
     z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
-    offset = (coff - 1) * ratio + p0 % ratio
+    offset = (coff - 1) * ratio + p0 % ratio  # [B] the chunk's first row in each row's span
 
     def state():
         if layer is None:
@@ -101,79 +116,86 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     if T == 1:  # decode: the token's row falls inside the state (its block, and the previous one);
         # selected in, not written in place, which would make XLA copy the cache's state first
         def span():
-            at = (jnp.arange(coff * ratio) == offset)[None, :, None]
+            at = ((jnp.arange(coff * ratio) == offset[:, None]) & (n_valid > 0)[:, None])[..., None]
             return tuple(jnp.where(at, new, old) for new, old in zip((a, z), state()))
-    else:  # a span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk
+    else:  # per row, a span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk
+        def place(st, new, off, fill):
+            row = jnp.full(((coff + n) * ratio, st.shape[-1]), fill, jnp.float32).at[: coff * ratio].set(st)
+            return jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0)
+
         state_a, state_z = state()
-        span = (coff + n) * ratio
-        c = a.shape[-1]
-        span_a = jnp.zeros((B, span, c), jnp.float32).at[:, : coff * ratio].set(state_a)
-        span_z = jnp.full((B, span, c), -jnp.inf, jnp.float32).at[:, : coff * ratio].set(state_z)
-        span_a = jax.lax.dynamic_update_slice_in_dim(span_a, a, offset, axis=1)
-        span_z = jax.lax.dynamic_update_slice_in_dim(span_z, z, offset, axis=1)
+        span_a = jax.vmap(place, in_axes=(0, 0, 0, None))(state_a, a, offset, 0.0)
+        span_z = jax.vmap(place, in_axes=(0, 0, 0, None))(state_z, z, offset, -jnp.inf)
 
     first = p0 // ratio
-    n_new = (p0 + T) // ratio - first
+    n_new = (p0 + n_valid) // ratio - first
     blocks = slice((coff - 1) * ratio, (coff - 1 + n) * ratio)
     prev = slice(0, ratio) if coff == 2 else None
-    cos, sin = cos_sin((first + jnp.arange(n)) * ratio, freqs)
-    cos, sin = jnp.broadcast_to(cos, (B,) + cos.shape), jnp.broadcast_to(sin, (B,) + sin.shape)
+    cos, sin = cos_sin((first[:, None] + jnp.arange(n)) * ratio, freqs)  # [B, n, rope/2]
 
     def pool(span_a, span_z):
         entries = pallas_kernels.compress(
             span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
             prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
             out_dtype=x.dtype, impl=cfg.attention_impl)
-        return jnp.where((jnp.arange(n) < n_new)[None, :, None], entries, 0)  # incomplete blocks are NaN
+        return jnp.where((jnp.arange(n) < n_new[:, None])[..., None], entries, 0)  # incomplete blocks are NaN
 
-    if T == 1:  # decode completes a block on one step in `ratio`: pool only then
+    if T == 1:  # decode completes a row's block on one step in `ratio`: pool only when some row does
         d = cp["norm"].shape[-1]
         # (the span built inside the branch, so that only a completing step reads the state)
-        entries = jax.lax.cond(n_new > 0, lambda: pool(*span()), lambda: jnp.zeros((B, n, d), x.dtype))
+        entries = jax.lax.cond(jnp.any(n_new > 0), lambda: pool(*span()), lambda: jnp.zeros((B, n, d), x.dtype))
         if coff == 1:  # without overlap a completed block leaves only don't-cares: the row is all
             return entries, n_new, a, z
         # with overlap a completed block moves the state on by a block: the token's block becomes
         # the previous one
-        new_a, new_z = (jnp.where(n_new > 0, jnp.roll(s, -ratio, axis=1), s) for s in span())
+        done = (n_new > 0)[:, None, None]
+        new_a, new_z = (jnp.where(done, jnp.roll(s, -ratio, axis=1), s) for s in span())
         return entries, n_new, new_a, new_z
-    new_a = jax.lax.dynamic_slice_in_dim(span_a, n_new * ratio, coff * ratio, axis=1)
-    new_z = jax.lax.dynamic_slice_in_dim(span_z, n_new * ratio, coff * ratio, axis=1)
-    return pool(span_a, span_z), n_new, new_a, new_z
+    keep = jax.vmap(lambda s, start: jax.lax.dynamic_slice_in_dim(s, start, coff * ratio, axis=0))
+    return pool(span_a, span_z), n_new, keep(span_a, n_new * ratio), keep(span_z, n_new * ratio)
+
+
+def _over_pool(pool: jnp.ndarray, new: jnp.ndarray, first_new: jnp.ndarray, axis: int) -> jnp.ndarray:
+    """pool with `new` appended along `axis` and then written over it from index first_new[b] in
+    row b (axis counts from the batch axis 0)."""
+    pad = [(0, 0)] * pool.ndim
+    pad[axis] = (0, new.shape[axis])
+    put = lambda p, x, at: jax.lax.dynamic_update_slice_in_dim(p, x, at, axis=axis - 1)  # noqa: E731
+    return jax.vmap(put)(jnp.pad(pool, pad), new, first_new)
 
 
 def in_entry_order(pool: jnp.ndarray, entries: jnp.ndarray, first_new: jnp.ndarray) -> jnp.ndarray:
     """The rows to attend to, row j holding entry j: the pool `[B, P, d]` (entries before
-    `first_new`), the chunk's entries `[B, n, d]` (first_new ..) written over it from row
+    `first_new` `[B]`), the chunk's entries `[B, n, d]` (first_new ..) written over it from row
     first_new. `[B, P + n, d]`; rows after the chunk's entries are never chosen."""
-    rows = jnp.concatenate([pool, jnp.zeros_like(entries)], axis=1)
-    return jax.lax.dynamic_update_slice_in_dim(rows, entries, first_new, axis=1)
+    return _over_pool(pool, entries, first_new, axis=1)
 
 
 def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
-    """`[T]` number of entries visible to each query of the chunk."""
-    return (p0 + jnp.arange(T, dtype=jnp.int32) + 1) // ratio
+    """`[B, T]` number of entries visible to each query of the chunk (p0 `[B]`)."""
+    return (p0[:, None] + jnp.arange(T, dtype=jnp.int32) + 1) // ratio
 
 
 def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
                    keys_pool: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
-                   freqs: jnp.ndarray, cfg: ModelConfig):
+                   freqs: jnp.ndarray, cfg: ModelConfig, n_valid: jnp.ndarray | None = None):
     """The indexer's top-min(index_topk, pool rows) absolute entry ids for each query of the chunk.
 
-    x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[T, rope/2]` at the query positions, keys_pool
-    `[B, P, dI]` the cached keys. Returns (ids int32 `[B, T, K]`, -1 where fewer are visible;
-    the chunk's new keys, their count and the new compressor state, as compress_chunk)."""
+    x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[B, T, rope/2]` at the query positions, keys_pool
+    `[B, P, dI]` the cached keys, p0 and n_valid `[B]` as compress_chunk. Returns (ids int32
+    `[B, T, K]`, -1 where fewer are visible; the chunk's new keys, their count and the new
+    compressor state, as compress_chunk)."""
     B, T, _ = x.shape
-    new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg)
+    p0 = row_positions(p0, B)
+    new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg,
+                                                   n_valid=n_valid)
     q = dense(c_q, ip["wq_b"]).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     P = keys_pool.shape[1]
     # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
-    scores = jnp.concatenate([indexer_scores(q, keys_pool, w),
-                              jnp.zeros((B, T, new_keys.shape[1]), jnp.float32)], axis=-1)
-    scores = jax.lax.dynamic_update_slice_in_dim(scores, indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
-    n_visible = jnp.broadcast_to(visible_entries(p0, T, CSA), (B, T))
-    ids = select_topk(scores, n_visible, min(cfg.index_topk, P))
+    scores = _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
+    ids = select_topk(scores, visible_entries(p0, T, CSA), min(cfg.index_topk, P))
     return ids, new_keys, n_new, new_a, new_z
 
 
@@ -189,10 +211,10 @@ def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
 
 def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
            comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Attention of the chunk's queries q `[B, T, H, Dh]` (positions p0 ..) over their window
-    (ring `[B, W, Dh]`, slot s % W holding position s < p0; the chunk's own rows kv `[B, T, Dh]`)
-    and, for compressed layers, the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows
-    `[B, Nc, Dh]`; one softmax with the per-head sink.
+    """Attention of the chunk's queries q `[B, T, H, Dh]` (row b at positions p0[b] ..) over their
+    window (ring `[B, W, Dh]`, slot s % W holding position s < p0; the chunk's own rows kv
+    `[B, T, Dh]`) and, for compressed layers, the rows comp_idx `[B, T, Kc]` (-1: none) of
+    comp_rows `[B, Nc, Dh]`; one softmax with the per-head sink.
 
     Decode (T = 1) and the Pallas kernels take the index form: one row of indices per query into
     [ring | chunk | compressed rows] (`pallas_kernels.sparse_attention`). A chunk on the plain
@@ -201,9 +223,10 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     Dh per query costs several times more than the matmuls on CPU.
     """
     T, W = q.shape[1], ring.shape[1]
+    p0 = row_positions(p0, q.shape[0])
 
     def indexed():
-        idx = jnp.broadcast_to(window_indices(p0, T, W), q.shape[:2] + (W,))
+        idx = window_indices(p0, T, W)
         rows = [ring, kv]
         if comp_rows is not None:
             idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + W + T, -1)], axis=-1)
@@ -221,27 +244,30 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
 
 
 def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale):
-    """`attend` for T > 1 in plain XLA, fp32. The window keys, in position order, are
-    seq = [ring by position (p0 - W ..) | chunk], row m at position p0 - W + m; the query at
+    """`attend` for T > 1 in plain XLA, fp32. Row b's window keys, in position order, are
+    seq = [ring by position (p0[b] - W ..) | chunk], row m at position p0[b] - W + m; the query at
     chunk row i is seq row W + i and sees seq rows i + 1 .. i + W. Queries go in blocks of
     Bq = min(T, W): block n sees the Bq + W rows from seq row n * Bq, one matmul per block."""
     B, T, H, D = q.shape
     W = ring.shape[1]
+    p0 = row_positions(p0, B)
     bq = min(T, W)
     nb = -(-T // bq)
     tp = nb * bq
     f32 = jnp.float32
-    ring_by_pos = jnp.take(ring, (p0 + jnp.arange(W, dtype=jnp.int32)) % W, axis=1)
+    slots = (p0[:, None] + jnp.arange(W, dtype=jnp.int32)) % W
+    ring_by_pos = jnp.take_along_axis(ring, slots[..., None], axis=1)
     seq = jnp.concatenate([ring_by_pos, kv, jnp.zeros((B, tp - T, D), kv.dtype)], axis=1).astype(f32)
     k1 = bq + W
     start = jnp.arange(nb, dtype=jnp.int32) * bq
     key_rows = start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]  # [nb, k1] into seq
     blocks = jnp.take(seq, key_rows, axis=1)  # [B, nb, k1, D]
     r, m = jnp.arange(bq)[:, None], jnp.arange(k1)[None, :]
-    visible = ((m >= r + 1) & (m <= r + W))[None] & (p0 - W + key_rows >= 0)[:, None, :]  # [nb, bq, k1]
+    started = (p0[:, None, None] - W + key_rows[None] >= 0)[:, :, None, :]  # [B, nb, 1, k1]
+    visible = ((m >= r + 1) & (m <= r + W))[None, None] & started  # [B, nb, bq, k1]
     qf = jnp.pad(q.astype(f32), ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, D)
     lw = jnp.einsum("bnqhd,bnkd->bnqhk", qf, blocks) * scale
-    lw = jnp.where(visible[None, :, :, None, :], lw, -jnp.inf).reshape(B, tp, H, k1)[:, :T]
+    lw = jnp.where(visible[:, :, :, None, :], lw, -jnp.inf).reshape(B, tp, H, k1)[:, :T]
     sink = sink.astype(f32)
     m_all = jnp.maximum(jnp.max(lw, axis=-1), sink)  # [B, T, H]
     if comp_rows is not None:

@@ -1,6 +1,6 @@
 """Decode state, grouped per layer kind like the parameters, with static shapes set by `max_len`.
 
-    pos            int32 []                 tokens already in the cache (the same for every row)
+    pos            int32 [B]                tokens already in each row (rows advance independently)
     window (window-only layers, n of them):
       ring         [n, B, W, Dh]            sliding-window K=V rows; position s in slot s % W
     csa (ratio-4 layers):
@@ -19,10 +19,13 @@
 
 Block states start at (0, -inf): a missing previous block gets softmax weight 0. A block's rows
 are only read once the block is complete, so rows past the current position hold don't-cares.
+Likewise a row reads only ring slots and pool entries it wrote itself (positions below its own),
+so a row is reset by its position and its block states alone (`reset_rows`).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,7 +56,7 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     """Nested dict of (shape, dtype) with the cache's structure."""
     Dh, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     f32 = jnp.float32
-    spec: dict = {"pos": ((), jnp.int32)}
+    spec: dict = {"pos": ((batch,), jnp.int32)}
     n0, n4, n128 = (len(cfg.layers_of_ratio(r)) for r in (WINDOW, CSA, HCA))
     if n0:
         spec["window"] = {"ring": ((n0, batch, W, Dh), dtype)}
@@ -82,6 +85,32 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
         return {k: make(k, *v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
 
     return walk(cache_spec(cfg, batch, max_len, dtype))
+
+
+def reset_rows(cache: dict, rows: jnp.ndarray) -> dict:
+    """The cache with the rows where `rows` (bool `[B]`) is set emptied: position 0 and fresh block
+    states; the others as they were."""
+    def reset(path, leaf):
+        name = path[-1].key
+        if name == "pos":
+            return jnp.where(rows, 0, leaf)
+        if name.startswith("state_"):
+            fresh = -jnp.inf if name == "state_z" else 0.0
+            return jnp.where(rows[None, :, None, None], fresh, leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(reset, cache)
+
+
+def take_rows(cache: dict, rows: jnp.ndarray) -> dict:
+    """The sub-cache of the rows `rows` (int `[R]`), for a step on those rows alone."""
+    return {k: v[rows] if k == "pos" else jax.tree.map(lambda a: a[:, rows], v) for k, v in cache.items()}
+
+
+def put_rows(cache: dict, rows: jnp.ndarray, sub: dict) -> dict:
+    """cache with the rows `rows` (int `[R]`) replaced by the sub-cache `sub` (as take_rows gives)."""
+    return {k: cache[k].at[rows].set(v) if k == "pos" else
+            jax.tree.map(lambda a, b: a.at[:, rows].set(b), cache[k], v) for k, v in sub.items()}
 
 
 def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16) -> dict:

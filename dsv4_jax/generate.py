@@ -121,11 +121,11 @@ def _decode_loop(params, cache, logits, buf, lengths, max_new, key, cfg, tempera
 
     def cond(s):
         cache, _, _, _, done, _ = s
-        return (cache["pos"] < total) & ~jnp.all(done)
+        return (cache["pos"][0] < total) & ~jnp.all(done)
 
     def body(s):
         cache, logits, buf, n_gen, done, key = s
-        p = cache["pos"]
+        p = cache["pos"][0]
         key, sub = jax.random.split(key)
         forced = p < lengths
         tok = jnp.where(forced, buf[:, p], sample_logits(logits, sub, temperature, top_k, top_p))

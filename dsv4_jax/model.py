@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,199 +95,267 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
 
-def _put_row(stack: jnp.ndarray, rows: jnp.ndarray, layer, slot, write) -> jnp.ndarray:
-    """stack `[L, B, N, D]` with rows `[B, 1, D]` at [layer, :, slot] where `write`, else as it was.
-    A decode step's single row per sequence goes in as an in-place update of those B rows rather
-    than the general scatter (`.at[...].set(mode="drop")`): the cache writes of a batch-8
-    flash-mini step took 0.92-0.94 ms in the profile that way, 0.36-0.38 ms this way."""
-    start = (layer, 0, slot, 0)
-    old = jax.lax.dynamic_slice(stack, start, (1,) + rows.shape)
-    return jax.lax.dynamic_update_slice(stack, jnp.where(write, rows[None].astype(stack.dtype), old), start)
+class _Chunk(NamedTuple):
+    """What every layer of one `step` shares about where the chunk sits in each row."""
+
+    p0: jnp.ndarray  # int32 [B]: each row's first position
+    n_valid: jnp.ndarray  # int32 [B]: each row's real tokens (the rest of its T are padding)
+    rope: jnp.ndarray  # fp32 [2 (window-only, compressed), 2 (cos, sin), B, T, rope/2]
+    compress_freqs: jnp.ndarray  # [rope/2]
+    ring_rows: jnp.ndarray  # int32 [B, min(T, W)]: the chunk rows each row keeps in its window ring
+    ring_slots: jnp.ndarray  # int32 [B, min(T, W)]: their ring slots (W: none)
+
+
+class _LayerInput(NamedTuple):
+    """One layer's inputs to its attention branch."""
+
+    q: jnp.ndarray  # [B, T, H, Dh]
+    kv: jnp.ndarray  # [B, T, Dh]
+    x: jnp.ndarray  # [B, T, D] the normed attention input
+    c_q: jnp.ndarray  # [B, T, Q] the query latent
+    cos: jnp.ndarray  # [B, T, rope/2] at the layer's rope
+    sin: jnp.ndarray
+    local: jnp.ndarray  # index into the layer's kind stacks
+    index_local: jnp.ndarray  # index into the indexer-state stacks
+    sink: jnp.ndarray  # [H]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """The fixed context of one `step` call, bound into the switch branches."""
+
+    params: dict
+    cfg: ModelConfig
+    chunk: _Chunk
+    cache_shapes: dict  # group -> {name: ShapeDtypeStruct}, the stacks this step updates
+    measure_reuse: bool
+
+    def payloads(self, own: dict) -> tuple:
+        """Every cache group's payload, in `cache_shapes` order: the branch's own, zeros (nothing
+        to store) for the groups it does not write."""
+        return tuple(own.get(g) or self.nothing(g) for g in self.cache_shapes)
+
+    def nothing(self, group: str) -> dict:
+        """The payload of a group a branch does not write: zeros, no entry to store."""
+        B, T = self.chunk.rope.shape[2:4]
+        out = {}
+        for k, v in self.cache_shapes[group].items():
+            if k.startswith("state_"):
+                rows = 1 if _state_row(group, T) else v.shape[2]
+                out[k] = jnp.zeros((B, rows) + v.shape[3:], v.dtype)
+            elif k == "ring":
+                out["ring_rows"] = jnp.zeros((B, self.chunk.ring_rows.shape[1], v.shape[-1]), v.dtype)
+            elif k == "pool":
+                ratio = HCA if group == "hca" else CSA
+                out["entries"] = jnp.zeros((B, (T + ratio - 1) // ratio, v.shape[-1]), v.dtype)
+                out["n_new"] = jnp.zeros((B,), jnp.int32)
+        return out
+
+    def ring_payload(self, kv: jnp.ndarray) -> jnp.ndarray:
+        """The chunk rows `[B, min(T, W), Dh]` each row keeps in its window ring."""
+        return jnp.take_along_axis(kv, self.chunk.ring_rows[..., None], axis=1)
+
+
+def _state_row(group: str, T: int) -> bool:
+    """Whether the group's state payload is one row (decode without overlap: compress_chunk)."""
+    return T == 1 and group == "hca"
+
+
+def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
+    """A window-only layer: its ring and the chunk."""
+    ring = take_layer(caches["window"]["ring"], lay.local)
+    o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
+    return o, last_ids, ctx.payloads({"window": {"ring_rows": ctx.ring_payload(lay.kv)}}), jnp.float32(jnp.nan)
+
+
+def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: bool):
+    """A ratio-4 layer: window plus the indexer's top-k compressed entries; with `reuse`
+    (IndexCache) the last computing layer's entry ids, with this layer's own rows."""
+    cfg, ch = ctx.cfg, ctx.chunk
+    T = lay.q.shape[1]
+    own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
+    entries, n_new, sa, sz = attention.compress_chunk(
+        own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
+    out = {"csa": {"ring_rows": ctx.ring_payload(lay.kv), "entries": entries, "n_new": n_new,
+                   "state_a": sa, "state_z": sz}}
+    overlap = jnp.float32(jnp.nan)
+
+    def own_selection():
+        ci = take_layer(caches["indexer"], lay.index_local)
+        return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin, ci["pool"], ci["state_a"],
+                                        ci["state_z"], ch.p0, ch.compress_freqs, cfg, n_valid=ch.n_valid)
+
+    if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
+        ids = last_ids
+        if ctx.measure_reuse:
+            overlap = attention.selection_overlap(own_selection()[0], ids)
+        if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
+            ci = take_layer(caches["indexer"], lay.index_local)
+            keys, n_keys, isa, isz = attention.compress_chunk(
+                own["indexer"]["compressor"], lay.x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
+                n_valid=ch.n_valid)
+            out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+    else:
+        ids, keys, n_keys, isa, isz = own_selection()
+        out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+    first = ch.p0 // CSA
+    if T == 1:  # decode: read only the selected rows of the pool
+        old = (ids < first[:, None, None])[..., None]
+        rows = jnp.where(old, jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
+                         jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
+                                             axis=2))
+        comp_rows = rows[:, 0]
+        comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
+    else:
+        comp_rows, comp_idx = attention.in_entry_order(c["pool"], entries, first), ids
+    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    return o, ids, ctx.payloads(out), overlap
+
+
+def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
+    """A ratio-128 layer: window plus every visible compressed entry."""
+    cfg, ch = ctx.cfg, ctx.chunk
+    B, T = lay.q.shape[:2]
+    own, c = take_layer(ctx.params["hca"], lay.local), take_layer(caches["hca"], lay.local)
+    entries, n_new, sa, sz = attention.compress_chunk(
+        own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
+        cfg, layer=lay.local, n_valid=ch.n_valid)
+    P = c["pool"].shape[1]
+    ids = jnp.arange(P, dtype=jnp.int32)
+    comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
+    comp_rows = attention.in_entry_order(c["pool"], entries, ch.p0 // HCA)
+    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    payload = {"ring_rows": ctx.ring_payload(lay.kv), "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
+    return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
+
+
+_BRANCH_FNS = {"window": _window_branch, "csa": partial(_csa_branch, reuse=False),
+               "csa_reuse": partial(_csa_branch, reuse=True), "hca": _hca_branch}
+_RATIO_OF = {"window": None, "csa": CSA, "indexer": CSA, "hca": HCA}
+
+
+def _writers(cfg: ModelConfig) -> dict:
+    """The branches that write each cache group (the others store nothing there)."""
+    return {"window": ("window",), "csa": ("csa", "csa_reuse"), "hca": ("hca",),
+            "indexer": ("csa",) if cfg.index_cache_skip_compressor else ("csa", "csa_reuse")}
+
+
+def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> dict:
+    """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
+    dropped), each row at its own position: ring rows at their slots, state rows (a decode step's
+    one row at slot p0 % ratio, else the whole state), the entries the row completed at their ids."""
+    out = dict(stacks)
+    B = chunk.p0.shape[0]
+    rows = jnp.arange(B)[:, None]
+    T = chunk.rope.shape[3]
+    ratio = _RATIO_OF[group]
+    if "ring" in stacks:
+        out["ring"] = stacks["ring"].at[target, rows, chunk.ring_slots].set(payload["ring_rows"], mode="drop")
+    for k in stacks:
+        if not k.startswith("state_"):
+            continue
+        if _state_row(group, T):
+            R = stacks[k].shape[2]
+            slot = jnp.where(chunk.n_valid > 0, chunk.p0 % ratio, R)[:, None]
+            out[k] = stacks[k].at[target, rows, slot].set(payload[k], mode="drop")
+        else:
+            out[k] = stacks[k].at[target].set(payload[k], mode="drop")
+    if ratio is not None:
+        pool = stacks["pool"]
+        i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
+        at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, pool.shape[2])
+        out["pool"] = pool.at[target, rows, at].set(payload["entries"], mode="drop")
+    return out
+
+
+def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
+    """One layer of the scan: attention (its kind's branch, then the cache writes), then the MoE."""
+    params, cfg = ctx.params, ctx.cfg
+    h, caches, last_ids = carry
+    i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
+    layer = take_layer(params["layers"], i)
+    cos, sin = ctx.chunk.rope[compressed_rope]
+    hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+
+    u, post, comb = hc_pre(h, **layer["hc_attn"], **hc_args)
+    x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
+    a = layer["attn"]
+    q, c_q = attention.query(a, x, cos, sin, cfg)
+    kv = attention.key_value(a, x, cos, sin, cfg)
+    lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
+    # Branches only read the caches and return the rows to store; the writes come after the
+    # switch, unconditionally, into every group's stacks: at the layer's own index when its
+    # branch writes that group, else at an out-of-range index (dropped).
+    branches = [partial(_BRANCH_FNS[b], ctx) for b in sched.branches]
+    o, last_ids, outs, overlap = jax.lax.switch(branch, branches, lay, caches, last_ids)
+    writers = _writers(cfg)
+    new = {}
+    for group, payload in zip(ctx.cache_shapes, outs):
+        writes = jnp.isin(branch, jnp.asarray([j for j, b in enumerate(sched.branches) if b in writers[group]]))
+        n_layers = next(iter(caches[group].values())).shape[0]
+        target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
+        new[group] = _store(group, caches[group], payload, target, ctx.chunk)
+    h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb)
+
+    u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
+    x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
+    h = hc_post(_moe(params, layer, i, x, input_ids, is_hash, route_local, cfg), h, post, comb)
+    return (h, new, last_ids), overlap
+
+
+def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig) -> _Chunk:
+    p0 = cache["pos"]
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+    W = cfg.sliding_window
+    window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
+    positions = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
+    rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
+    n_keep = min(T, W)
+    keep = n_valid[:, None] - n_keep + jnp.arange(n_keep, dtype=jnp.int32)  # a row's last n_keep real tokens
+    slots = jnp.where(keep >= 0, (p0[:, None] + keep) % W, W)
+    return _Chunk(p0, n_valid, rope, compress_freqs, jnp.clip(keep, 0), slots)
 
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
-         measure_reuse: bool = False):
-    """Runs T tokens per row through the model at positions cache["pos"] .. + T - 1.
+         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None):
+    """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
-    input_ids int `[B, T]`. Returns (fp32 logits `[B, T, V]`, or `[B, 1, V]` for the last
-    position with last_only; the cache with the chunk added). Prefill (any T, chunks of any
-    size) and decode (T = 1) are the same computation; the caller keeps pos + T <= max_len.
-    With measure_reuse, IndexCache's reusing layers also compute their own top-k (not used) and
-    a third output `[L]` gives, per layer, the mean fraction of its own selection that the
-    reused one contains (NaN for layers that do not reuse).
+    input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
+    n_valid[b] of its chunk; the rest are padding, neither stored nor advancing the row (0: the
+    row holds its state). Rows advance independently: each has its own window-ring slots,
+    compression-block phase, pool length, RoPE positions and causal limits. Returns (fp32 logits
+    `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only; the cache with the
+    chunk added). Prefill (any T, chunks of any size) and decode (T = 1) are the same
+    computation; the caller keeps pos + n_valid <= max_len. With measure_reuse, IndexCache's
+    reusing layers also compute their own top-k (not used) and a third output `[L]` gives, per
+    layer, the mean fraction of its own selection that the reused one contains (NaN for layers
+    that do not reuse).
     """
     B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
-    W = cfg.sliding_window
-    p0 = cache["pos"]
-    window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
-    positions = p0 + jnp.arange(T, dtype=jnp.int32)
-    rope_tables = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)),
-                             jnp.stack(cos_sin(positions, compress_freqs))])  # [2, 2, T, rope/2]
-
-    n_keep = min(T, W)
-    n4, n128 = (T + CSA - 1) // CSA, (T + HCA - 1) // HCA
-    groups = [g for g in ("window", "csa", "indexer", "hca") if g in cache]  # cache groups, payload order
-
-    def state_row(group: str) -> bool:
-        """Whether the group's state payload is one row (decode without overlap: compress_chunk)."""
-        return T == 1 and group == "hca"
-
-    def nothing(group: str) -> dict:
-        """The payload of a group this branch does not write: zeros, no entry to store."""
-        c = cache[group]
-        out = {k: jnp.zeros(v.shape[1:2] + (1,) + v.shape[3:] if state_row(group) else v.shape[1:], v.dtype)
-               for k, v in c.items() if k.startswith("state_")}
-        if "ring" in c:
-            out["ring_rows"] = jnp.zeros((B, n_keep, cfg.head_dim), c["ring"].dtype)
-        if "pool" in c:
-            out["entries"] = jnp.zeros((B, n128 if group == "hca" else n4, c["pool"].shape[-1]), c["pool"].dtype)
-            out["n_new"] = jnp.int32(0)
-        return out
-
-    def payloads(own: dict) -> tuple:
-        return tuple(own.get(g) or nothing(g) for g in groups)
-
-    def window_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
-        ring = caches["window"]["ring"][local]
-        o = attention.attend(q, ring, kv, None, None, sink, p0, cfg)
-        return o, last_ids, payloads({"window": {"ring_rows": kv[:, T - n_keep:]}}), jnp.float32(jnp.nan)
-
-    def csa(reuse: bool):
-        def branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
-            own, c = take_layer(params["csa"], local), take_layer(caches["csa"], local)
-            entries, n_new, sa, sz = attention.compress_chunk(
-                own["compressor"], x, c["state_a"], c["state_z"], p0, CSA, compress_freqs, cfg)
-            out = {"csa": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
-                           "state_a": sa, "state_z": sz}}
-            overlap = jnp.float32(jnp.nan)
-            if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
-                ids = last_ids
-                if measure_reuse:
-                    ci = take_layer(caches["indexer"], index_local)
-                    own_ids = attention.indexer_select(own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"],
-                                                       ci["state_z"], p0, compress_freqs, cfg)[0]
-                    overlap = attention.selection_overlap(own_ids, ids)
-                if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
-                    ci = take_layer(caches["indexer"], index_local)
-                    keys, n_keys, isa, isz = attention.compress_chunk(
-                        own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], p0, CSA, compress_freqs, cfg)
-                    out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
-            else:
-                ci = take_layer(caches["indexer"], index_local)
-                ids, keys, n_keys, isa, isz = attention.indexer_select(
-                    own["indexer"], x, c_q, cos, sin, ci["pool"], ci["state_a"], ci["state_z"], p0,
-                    compress_freqs, cfg)
-                out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
-            first = p0 // CSA
-            if T == 1:  # decode: read only the selected rows of the pool
-                rows = jnp.where((ids < first)[..., None],
-                                 jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
-                                 jnp.take_along_axis(entries[:, None], jnp.clip(ids - first, 0)[..., None], axis=2))
-                comp_rows = rows[:, 0]
-                comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
-            else:
-                comp_rows, comp_idx = attention.in_entry_order(c["pool"], entries, first), ids
-            o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
-            return o, ids, payloads(out), overlap
-        return branch
-
-    def hca_branch(q, kv, x, c_q, cos, sin, local, index_local, sink, caches, last_ids):
-        own, c = take_layer(params["hca"], local), take_layer(caches["hca"], local)
-        entries, n_new, sa, sz = attention.compress_chunk(
-            own["compressor"], x, caches["hca"]["state_a"], caches["hca"]["state_z"], p0, HCA, compress_freqs, cfg,
-            layer=local)
-        P = c["pool"].shape[1]
-        ids = jnp.arange(P, dtype=jnp.int32)
-        ids = jnp.where(ids[None, :] < attention.visible_entries(p0, T, HCA)[:, None], ids[None, :], -1)
-        comp_idx = jnp.broadcast_to(ids, (B, T, P))
-        comp_rows = attention.in_entry_order(c["pool"], entries, p0 // HCA)
-        o = attention.attend(q, c["ring"], kv, comp_rows, comp_idx, sink, p0, cfg)
-        return o, last_ids, payloads({"hca": {"ring_rows": kv[:, T - n_keep:], "entries": entries, "n_new": n_new,
-                                              "state_a": sa, "state_z": sz}}), jnp.float32(jnp.nan)
-
-    branch_of = {"window": window_branch, "csa": csa(False), "csa_reuse": csa(True), "hca": hca_branch}
-    branches = [branch_of[b] for b in sched.branches]
-    ring_slots = (p0 + T - n_keep + jnp.arange(n_keep, dtype=jnp.int32)) % W
-    ratio_of = {"window": None, "csa": CSA, "indexer": CSA, "hca": HCA}
-    # Which branches write each group (the others send zeros to an out-of-range layer).
-    writers = {"window": ("window",), "csa": ("csa", "csa_reuse"), "hca": ("hca",),
-               "indexer": ("csa",) if cfg.index_cache_skip_compressor else ("csa", "csa_reuse")}
-
-    def store(group: str, group_cache: dict, payload: dict, target, ratio) -> dict:
-        """Writes a group's payload into layer `target` of its stacks (out of range: dropped)."""
-        out = dict(group_cache)
-        inside = target < next(iter(group_cache.values())).shape[0]  # this group has the layer
-        if "ring" in group_cache:
-            if n_keep == 1:
-                out["ring"] = _put_row(group_cache["ring"], payload["ring_rows"], target, ring_slots[0], inside)
-            else:
-                out["ring"] = group_cache["ring"].at[target, :, ring_slots].set(
-                    jnp.swapaxes(payload["ring_rows"], 0, 1), mode="drop")
-        for k in group_cache:
-            if k.startswith("state_") and state_row(group):
-                out[k] = _put_row(group_cache[k], payload[k], target, p0 % ratio, inside)
-            elif k.startswith("state_"):
-                out[k] = group_cache[k].at[target].set(payload[k], mode="drop")
-        if ratio is not None:
-            pool, first = group_cache["pool"], p0 // ratio
-            if payload["entries"].shape[1] == 1:
-                out["pool"] = _put_row(pool, payload["entries"], target, first,
-                                       inside & (payload["n_new"] > 0) & (first < pool.shape[2]))
-            else:
-                i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)
-                rows = jnp.where(i < payload["n_new"], first + i, pool.shape[2])
-                out["pool"] = pool.at[target, :, rows].set(jnp.swapaxes(payload["entries"], 0, 1), mode="drop")
-        return out
-
-    def body(carry, xs):
-        h, caches, last_ids = carry
-        i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
-        layer = take_layer(params["layers"], i)
-        cos, sin = rope_tables[compressed_rope]
-        hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-
-        u, post, comb = hc_pre(h, **layer["hc_attn"], **hc_args)
-        x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
-        a = layer["attn"]
-        q, c_q = attention.query(a, x, cos, sin, cfg)
-        kv = attention.key_value(a, x, cos, sin, cfg)
-        # Branches only read the caches and return the rows to store; the writes come after the
-        # switch, unconditionally, into every group's stacks: at the layer's own index when its
-        # branch writes that group, else at an out-of-range index (dropped).
-        o, last_ids, outs, overlap = jax.lax.switch(branch, branches, q, kv, x, c_q, cos, sin, local, index_local, a["sink"],
-                                           caches, last_ids)
-        new = {}
-        for group, payload in zip(groups, outs):
-            writes = jnp.isin(branch, jnp.asarray([i for i, b in enumerate(sched.branches) if b in writers[group]]))
-            index = index_local if group == "indexer" else local
-            target = jnp.where(writes, index, caches[group][next(iter(caches[group]))].shape[0])
-            new[group] = store(group, caches[group], payload, target, ratio_of[group])
-        h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb)
-
-        u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
-        x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
-        h = hc_post(_moe(params, layer, i, x, input_ids, is_hash, route_local, cfg), h, post, comb)
-        return (h, new, last_ids), overlap
+    stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
+    chunk = _chunk(cache, B, T, n_valid, cfg)
+    ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
+                measure_reuse)
 
     x = params["embed"][input_ids]
     h = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size))
     xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
           jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
           jnp.asarray(sched.route_local))
-    stacks = {k: v for k, v in cache.items() if k != "pos"}
     k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    (h, stacks, _), overlaps = jax.lax.scan(body, (h, stacks, last_ids), xs)
+    (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
     if last_only:
-        h = h[:, -1:]
+        h = jnp.take_along_axis(h, jnp.clip(chunk.n_valid - 1, 0)[:, None, None, None], axis=1)
     y = hc_head(h, params["hc_head"]["fn"], params["hc_head"]["base"], params["hc_head"]["scale"],
                 hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     y = rms_norm(y, params["norm"], cfg.rms_norm_eps)
     logits = dense(y.astype(jnp.float32), params["head"].astype(jnp.float32))
+    new_cache = {"pos": chunk.p0 + chunk.n_valid, **stacks}
     if measure_reuse:
-        return logits, {"pos": p0 + T, **stacks}, overlaps
-    return logits, {"pos": p0 + T, **stacks}
+        return logits, new_cache, overlaps
+    return logits, new_cache
 
 
 def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:

@@ -713,15 +713,15 @@ def test_dense_in_halves(rows, out, inp, halves):
 
 @pytest.mark.parametrize("n_rows, K, in_use", [(40, 4, 40), (300, 32, 300), (300, 32, 150), (80, 4, 80), (1000, 4, 60)],
                          ids=["one tile", "tiles", "tiles, prefix in use", "gathered", "large pool, prefix in use"])
-@pytest.mark.parametrize("p0", [0, 37])
+@pytest.mark.parametrize("p0", [(0, 0), (37, 5)], ids=["at 0", "rows at 37 and 5"])
 def test_chunk_attention_equals_the_indexed_form(n_rows, K, in_use, p0):
     """attention._window_blocked (a prefill chunk on CPU) against the one-index-row reference
     (pallas_kernels.sparse_attention_ref over [ring | chunk | compressed rows]). The compressed
     part takes the masked products over tiles of 128 rows while the rows in use (up to the
     highest chosen) are at most 16 x top-k, else each query's rows gathered ("gathered": 80 > 64
     rows in use). Rows in no used tile are NaN: touching them would show. fp32, 1e-5 relative to
-    the largest output (the two sum in different orders)."""
-    rng = np.random.default_rng(n_rows + in_use + p0)
+    the largest output (the two sum in different orders). Each row at its own position p0[b]."""
+    rng = np.random.default_rng(n_rows + in_use + p0[0])
     B, T, H, D, W = 2, 21, 3, 16, 8
     q, ring, kv = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, H, D), (B, W, D), (B, T, D)))
     comp = rng.standard_normal((B, n_rows, D)).astype(np.float32)
@@ -734,8 +734,9 @@ def test_chunk_attention_equals_the_indexed_form(n_rows, K, in_use, p0):
     comp[:, tiles_in_use:] = np.nan
     comp, idx = jnp.asarray(comp), jnp.asarray(idx)
     scale = D ** -0.5
-    got = ours_attn._window_blocked(q, ring, kv, comp, idx, sink, jnp.int32(p0), scale)
-    window = jnp.broadcast_to(ours_attn.window_indices(jnp.int32(p0), T, W), (B, T, W))
+    p0 = jnp.asarray(p0, jnp.int32)
+    got = ours_attn._window_blocked(q, ring, kv, comp, idx, sink, p0, scale)
+    window = ours_attn.window_indices(p0, T, W)
     every = jnp.concatenate([window, jnp.where(idx >= 0, idx + W + T, -1)], axis=-1)
     want = sparse_attention_ref(q, jnp.concatenate([ring, kv, jnp.nan_to_num(comp)], axis=1), every, sink,
                                 scale=scale)
