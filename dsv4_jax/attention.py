@@ -16,6 +16,8 @@ A query's keys are its window and its compressed rows, in one softmax with the p
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +30,7 @@ from .layer_weights import with_weight
 from .linear import dense, weight_array
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import apply_rope, cos_sin
+from .sharding import BATCH, HEADS, per_device
 
 
 def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
@@ -134,10 +137,16 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     cos, sin = cos_sin((first[:, None] + jnp.arange(n)) * ratio, freqs)  # [B, n, rope/2]
 
     def pool(span_a, span_z):
-        entries = pallas_kernels.compress(
-            span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
-            prev_a=None if prev is None else span_a[:, prev], prev_z=None if prev is None else span_z[:, prev],
-            out_dtype=x.dtype, impl=cfg.attention_impl)
+        def kernel(a, z, norm, cos, sin, *previous):  # previous: (prev_a, prev_z) with overlap
+            return pallas_kernels.compress(a, z, norm, cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
+                                           prev_a=previous[0] if previous else None,
+                                           prev_z=previous[1] if previous else None,
+                                           out_dtype=x.dtype, impl=cfg.attention_impl)
+
+        rows = (BATCH, None, None)
+        previous = () if prev is None else (span_a[:, prev], span_z[:, prev])
+        run = per_device(cfg, kernel, (rows, rows, None, rows, rows) + (rows,) * len(previous), rows)
+        entries = run(span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, *previous)
         return jnp.where((jnp.arange(n) < n_new[:, None])[..., None], entries, 0)  # incomplete blocks are NaN
 
     if T == 1:  # decode completes a row's block on one step in `ratio`: pool only when some row does
@@ -231,8 +240,11 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
         if comp_rows is not None:
             idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + W + T, -1)], axis=-1)
             rows.append(comp_rows)
-        return pallas_kernels.sparse_attention(q, jnp.concatenate(rows, axis=1), idx, sink,
-                                               scale=cfg.head_dim ** -0.5, impl=cfg.attention_impl)
+        run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
+                                      impl=cfg.attention_impl),
+                         ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,)),
+                         (BATCH, None, HEADS, None))
+        return run(q, jnp.concatenate(rows, axis=1), idx, sink)
 
     def blocked():
         return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5)

@@ -89,6 +89,9 @@ class ModelConfig:
     index_topk_freq: int = 1
     index_topk_pattern: str | None = None
     index_cache_skip_compressor: bool = False
+    # Where the arrays live on a device mesh (dsv4_jax/sharding.py): a `sharding.Layout`, set by
+    # `load(..., mesh=)`; None on one device. Not written to config.json.
+    layout: Any = None
 
     def __post_init__(self):
         _validate(self)
@@ -107,7 +110,8 @@ class ModelConfig:
         return tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(self.replace(layout=None))
+        del d["layout"]
         d["compress_ratios"] = list(self.compress_ratios)
         d["hash_layers"] = list(self.hash_layers)
         return d
@@ -360,6 +364,11 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"`index_topk_pattern` must start with F (the first ratio-4 layer computes), got {pat!r}")
         if len(pat) > n4:
             raise ConfigError(f"`index_topk_pattern` {pat!r} has {len(pat)} entries for {n4} ratio-4 layers")
+    if c.layout is not None:
+        from .sharding import Layout
+
+        if not isinstance(c.layout, Layout):
+            raise ConfigError(f"`layout` must be a dsv4_jax.sharding.Layout or None, got {c.layout!r}")
     if c.attention_impl not in ("pallas", "ref", "auto"):
         raise ConfigError(f"`attention_impl` must be 'pallas', 'ref' or 'auto', got {c.attention_impl!r}")
     if c.yarn is not None:

@@ -34,7 +34,7 @@ def is_converted(path: str | os.PathLike) -> bool:
 
 def load(path: str | os.PathLike, dtype=jnp.float32,
          sharding: jax.sharding.Sharding | Callable[[str, tuple], jax.sharding.Sharding] | None = None,
-         **options) -> Model:
+         mesh: jax.sharding.Mesh | None = None, layout=None, **options) -> Model:
     """Loads the model in `path`: either a directory written by `dsv4-convert` (config.json plus
     the Orbax checkpoint `params/`, restored through Orbax), or an HF checkpoint directory holding `config.json` and
     safetensors (single file or sharded with `model.safetensors.index.json`; official or
@@ -48,6 +48,10 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     `layers.ffn.w1.values`), e.g. to split the routed experts over a mesh axis; each device
     reads only its own shard from disk (a converted directory; an HF one is read whole, then
     placed).
+    `mesh` (a `jax.sharding.Mesh` with axes among data, expert, tensor) puts the model on a device
+    mesh: every array is read straight onto its sharding under `layout` (a preset name of
+    dsv4_jax/sharding.py, default "dp_attention", or a `sharding.Layout`; quantized weights split
+    like their float forms), and the returned model's programs run on that mesh.
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -55,6 +59,22 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     cfg = with_options(ModelConfig.from_hf(path), **options)
+    if mesh is not None:
+        if sharding is not None:
+            raise ValueError("give either `mesh` (with a layout) or `sharding`, not both")
+        from . import sharding as sh
+
+        lay = sh.get_layout(layout)
+        sh.check_divisible(cfg, mesh, lay)
+        cfg = cfg.replace(layout=lay)
+        sharding = sh.named_sharding_of(mesh, lay)
+    elif layout is not None:
+        raise ValueError("`layout` needs a `mesh`")
+    model = _load(path, cfg, dtype, sharding)
+    return model if mesh is None else model.replace(mesh=mesh)
+
+
+def _load(path: str, cfg: ModelConfig, dtype, sharding) -> Model:
     if is_converted(path):
         return Model(params=_restore(path, cfg, dtype, sharding), config=cfg)
     from convert import read_hf_checkpoint

@@ -11,6 +11,7 @@ computed indexer top-k travels in the scan carry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from typing import NamedTuple
@@ -20,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import attention
+from . import attention, sharding
 from .config import CSA, HCA, WINDOW, ModelConfig
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .cache import indexer_state_layers, init_cache
 from .index_cache import index_cache_schedule
 from .layer_weights import PerExpert, take_layer
 from .linear import dense
-from .moe import learned_choice, route, routed_experts, router_scores, shared_expert
+from .moe import learned_choice, route, routed_experts, routed_experts_on_mesh, router_scores, shared_expert
 from .norms import rms_norm
 from .rope import cos_sin, layer_inv_freqs
 
@@ -88,6 +89,9 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     stacks = params["layers"]["ffn"]
     if isinstance(stacks["w1"], PerExpert):  # CPU generate: each expert's own buffers
         routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit)
+    elif sharding.active(cfg) is not None:  # expert parallel: tokens exchanged between devices
+        routed = routed_experts_on_mesh(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"],
+                                        cfg.swiglu_limit, layer_index, cfg)
     else:  # the chosen experts straight out of the stacks
         routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,
                                 layer=layer_index)
@@ -333,13 +337,15 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     """
     B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
+    cache = sharding.constrain_cache(cfg, cache)
     stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
     chunk = _chunk(cache, B, T, n_valid, cfg)
     ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
                 measure_reuse)
 
     x = params["embed"][input_ids]
-    h = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size))
+    h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
+                           (sharding.BATCH, None, None, None))
     xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
           jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
           jnp.asarray(sched.route_local))
@@ -381,13 +387,39 @@ def with_options(cfg: ModelConfig, **options) -> ModelConfig:
 
 @struct.dataclass
 class Model:
-    """A DeepSeek-V4 model: `logits = model(input_ids)` for int32 `[B, S]` -> fp32 `[B, S, V]`."""
+    """A DeepSeek-V4 model: `logits = model(input_ids)` for int32 `[B, S]` -> fp32 `[B, S, V]`.
+
+    On a device mesh (`load(..., mesh=)`), `mesh` is set, `config.layout` says where every array
+    lives (dsv4_jax/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`."""
 
     params: dict
     config: ModelConfig = struct.field(pytree_node=False)
+    mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
 
     def __call__(self, input_ids) -> jnp.ndarray:
-        return _jit_forward(self.params, jnp.asarray(input_ids, jnp.int32), self.config)
+        ids = np.asarray(input_ids, np.int32)
+        B = ids.shape[0]
+        rows = self.batch_rows(B)
+        if rows > B:  # every device of the batch axes gets whole sequences
+            ids = np.concatenate([ids, np.zeros((rows - B,) + ids.shape[1:], np.int32)])
+        with self.on_mesh():
+            return _jit_forward(self.params, self.place_rows(ids), self.config)[:B]
+
+    def on_mesh(self):
+        """The context the model's programs run in: `jax.set_mesh(mesh)`, or nothing."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def batch_rows(self, B: int) -> int:
+        """B rounded up to a multiple of the number of pieces the mesh splits sequences into."""
+        n = 1 if self.mesh is None else self.config.layout.shards(sharding.BATCH, self.mesh)
+        return -(-B // n) * n
+
+    def place_rows(self, x):
+        """x `[B, ...]` on the devices, split by rows when on a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        spec = self.config.layout.spec((sharding.BATCH,) + (None,) * (np.ndim(x) - 1), self.mesh)
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
     @property
     def dtype(self):

@@ -59,13 +59,15 @@ def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = No
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
-                   layer=None) -> jnp.ndarray:
+                   layer=None, first_expert=None) -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`:
     arrays or QuantizedWeights, or LayerExperts (CPU generate: one buffer per expert, read in
     place), or, with `layer`, the stacks `[L, E, ...]` of every layer: the chosen experts are then
     gathered straight out of the stack (a layer's slice of the stack would be copied whole first).
+    With `first_expert` (expert parallelism: this device's share of the experts), w holds experts
+    first_expert .. first_expert + E - 1 and the pairs choosing others are skipped.
     Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert into blocks of b rows
     that each belong to one expert, so the work is T*k rows (plus at most b-1 padding rows per
     expert), never all experts for every token.
@@ -80,19 +82,23 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
         return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
 
     flat_e = experts.reshape(-1)
+    if first_expert is not None:  # another device's experts sort last, as expert E, and are not run
+        flat_e = flat_e - first_expert
+        flat_e = jnp.where((flat_e >= 0) & (flat_e < E), flat_e, E)
     order = jnp.argsort(flat_e, stable=True)  # the (token, slot) pairs in expert order
     sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
     if b == 1 and in_place:
         return _each_pair(x, sorted_e, sorted_t, sorted_w, (w1, w2, w3), ffn)
     n_blocks = -(-(rows + E * (b - 1)) // b)
-    counts = jnp.zeros((E,), jnp.int32).at[flat_e].add(1)
+    counts = jnp.zeros((E + 1,), jnp.int32).at[flat_e].add(1)[:E]
     padded = (counts + b - 1) // b * b
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     start = jnp.cumsum(counts) - counts
-    dest = padded_start[sorted_e] + jnp.arange(rows, dtype=jnp.int32) - start[sorted_e]
-    slot_token = jnp.full((n_blocks * b,), T, jnp.int32).at[dest].set(sorted_t)
-    slot_weight = jnp.zeros((n_blocks * b,), jnp.float32).at[dest].set(sorted_w)
+    e = jnp.minimum(sorted_e, E - 1)
+    dest = jnp.where(sorted_e < E, padded_start[e] + jnp.arange(rows, dtype=jnp.int32) - start[e], n_blocks * b)
+    slot_token = jnp.full((n_blocks * b,), T, jnp.int32).at[dest].set(sorted_t, mode="drop")
+    slot_weight = jnp.zeros((n_blocks * b,), jnp.float32).at[dest].set(sorted_w, mode="drop")
     block_expert = jnp.minimum(
         jnp.searchsorted(padded_end, jnp.arange(n_blocks, dtype=jnp.int32) * b, side="right"), E - 1)
 
@@ -103,11 +109,12 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     def gathered(ids):  # the experts `ids` of each weight, `[len(ids), ...]`, still quantized
         return [(w[ids] if layer is None else w[layer, ids]) for w in (w1, w2, w3)]
 
-    if b == 1:  # decode-sized: every row at once, each with its own expert's weights
+    if b == 1 and first_expert is None:  # decode-sized: every row at once, each with its own expert's weights
         y = jax.vmap(ffn)(*gathered(block_expert), xs, ws)
     else:
-        # One block at a time, and only the blocks that hold rows: on CPU a batched product over
-        # every block's gathered weights ran several times slower than this loop.
+        # One block at a time, and only the blocks that hold rows (with expert parallelism, only
+        # this device's): on CPU a batched product over every block's gathered weights ran
+        # several times slower than this loop.
         def block(n, y):
             if in_place:
                 out = with_expert((w1, w2, w3), block_expert[n], ffn, xs[n], ws[n])
@@ -118,6 +125,35 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
         y = jax.lax.fori_loop(0, padded_end[-1] // b, block, jnp.zeros((n_blocks, b, x.shape[1]), jnp.float32))
     out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y.reshape(n_blocks * b, -1))
     return out[:T]
+
+
+def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
+                           layer, cfg) -> jnp.ndarray:
+    """`routed_experts` with the stacks `[L, E, ...]` split over devices (dsv4_jax/sharding.py),
+    run per device: every device gathers the tokens of the devices that share its `experts` /
+    `expert_mlp` axes (an all-gather of x `[T, D]` and of the routing), runs the pairs that chose
+    its own experts on its slice of their width, and the partial outputs are summed back onto the
+    tokens' own devices (a reduce-scatter; a psum over axes that do not split the tokens)."""
+    from .sharding import BATCH, EXPERT_MLP, EXPERTS, active, per_device
+
+    mesh, layout = active(cfg), cfg.layout
+    ep, mlp, batch = (layout.axes(a, mesh) for a in (EXPERTS, EXPERT_MLP, BATCH))
+    gather = tuple(a for a in batch if a in ep + mlp)  # in the order the tokens are split
+    summed = tuple(a for a in ep + mlp if a not in batch)
+
+    def local(x, experts, weights, w1, w2, w3, layer):
+        if gather:
+            x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
+        first = jax.lax.axis_index(ep) * w1.shape[1] if ep else 0
+        y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, summed) if summed else y
+
+    up, down = (None, EXPERTS, EXPERT_MLP, None), (None, EXPERTS, None, EXPERT_MLP)
+    rows = (BATCH, None)
+    run = per_device(cfg, local, (rows, rows, rows, up, down, up, None), rows)
+    return run(x, experts, weights, w1, w2, w3, layer)
 
 
 def _each_pair(x, pair_expert, pair_row, pair_weight, w, ffn) -> jnp.ndarray:

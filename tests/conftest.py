@@ -2,8 +2,12 @@ import gc
 import os
 import sys
 
-import jax
-import pytest
+# Eight host devices for the mesh tests (fixed when jax starts); single-device code runs on the first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Parity runs in fp32 with full-precision matmuls (tolerances are stated per test).
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,0 +1,154 @@
+"""The model on a device mesh (8 host devices, tests/conftest.py): every layout preset on the
+meshes data=8, expert=8, data=2 x expert=4 and data=2 x tensor=2 x expert=2, loaded from a native
+(FP8/FP4) conversion straight onto its shardings.
+
+Logits: within 1e-5 of the largest one-device logit (a sharded computation sums in another
+order; observed about 1e-6). Greedy tokens: identical.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+import hf_oracle as H
+from convert.cli import main as convert_main
+from convert.export_hf import write_hf_checkpoint
+from dsv4_jax import sharding
+from dsv4_jax.cache import init_cache
+from dsv4_jax.model import step
+
+MESHES = [{"data": 8}, {"expert": 8}, {"data": 2, "expert": 4}, {"data": 2, "tensor": 2, "expert": 2}]
+MESH_IDS = ["data8", "expert8", "data2-expert4", "data2-tensor2-expert2"]
+
+
+# TINY (every layer kind, hash and learned routing) with experts 64 wide, so that tensor=2 splits
+# the FP4 experts' width into whole groups of 32 (their block scales).
+CONFIG = dict(H.TINY, moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """A CONFIG checkpoint in the published FP8/FP4 format, converted with --dtype native: its
+    linears stay FP8 and its experts FP4 in memory."""
+    cfg = dsv4_jax.ModelConfig.from_hf(CONFIG)
+    hf = tmp_path_factory.mktemp("hf")
+    write_hf_checkpoint(dsv4_jax.init_params(cfg, seed=3, std=0.1), cfg, str(hf), num_shards=2, quantize=True)
+    out = tmp_path_factory.mktemp("conv") / "native"
+    assert convert_main([str(hf), str(out), "--dtype", "native"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(native):
+    return dsv4_jax.load(native)
+
+
+def _ids(cfg, B, S, seed=0):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, S)).astype(np.int32)
+
+
+@pytest.mark.parametrize("layout", sorted(sharding.PRESETS))
+@pytest.mark.parametrize("shape", MESHES, ids=MESH_IDS)
+def test_logits_equal_one_device(native, single, layout, shape):
+    """A full forward of 140 tokens (ratio-4 and ratio-128 blocks completed) for 6 sequences (not
+    a multiple of 8: the model pads the batch to whole sequences per device)."""
+    mesh = sharding.make_mesh(shape)
+    model = dsv4_jax.load(native, mesh=mesh, layout=layout)
+    ids = _ids(model.config, 6, 140)
+    want = np.asarray(single(ids))
+    got = np.asarray(model(ids))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _shard_rows(arr, axis):
+    """The sizes of each device's piece of `arr` along `axis`, device by device."""
+    return {s.device.id: s.data.shape[axis] for s in arr.addressable_shards}
+
+
+@pytest.mark.parametrize("shape", MESHES[1:], ids=MESH_IDS[1:])
+def test_each_device_holds_its_share(native, shape):
+    """dp_attention: each device holds E / (expert x tensor) routed experts (FP4 values and scales
+    alike) and, with data-parallel attention, only its sequences' cache rows; attention weights are
+    whole on every device."""
+    mesh = sharding.make_mesh(shape)
+    model = dsv4_jax.load(native, mesh=mesh)
+    cfg = model.config
+    ep = mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1)
+    w1 = model.params["layers"]["ffn"]["w1"]
+    for part in (w1.values, w1.scale):
+        assert set(_shard_rows(part, 1).values()) == {cfg.n_routed_experts // ep}
+        assert len(part.addressable_shards) == 8
+    assert model.params["layers"]["attn"]["wkv"].values.sharding.is_fully_replicated
+    cache = jax.device_put(init_cache(cfg, 16, 64), sharding.cache_shardings(init_cache(cfg, 16, 64), mesh,
+                                                                             cfg.layout))
+    assert set(_shard_rows(cache["csa"]["pool"], 1).values()) == {2}
+    assert set(_shard_rows(cache["pos"], 0).values()) == {2}
+
+
+def test_tp_attention_splits_heads(native):
+    """tp_attention on data=2 x tensor=2 x expert=2: query heads, sinks, the vocabulary and the
+    experts' width are split over tensor; the one K=V head is whole."""
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    model = dsv4_jax.load(native, mesh=mesh, layout="tp_attention")
+    cfg, attn = model.config, model.params["layers"]["attn"]
+    assert set(_shard_rows(attn["wq_b"].values, 1).values()) == {cfg.num_heads * cfg.head_dim // 2}
+    assert set(_shard_rows(attn["sink"], 1).values()) == {cfg.num_heads // 2}
+    assert set(_shard_rows(model.params["head"], 0).values()) == {cfg.vocab_size // 2}
+    assert set(_shard_rows(model.params["layers"]["ffn"]["w1"].values, 2).values()) == {cfg.moe_intermediate_size // 2}
+    assert attn["wkv"].values.sharding.is_fully_replicated
+
+
+def test_decode_step_gathers_no_expert_weights(native):
+    """The compiled decode step on expert=8 exchanges tokens, never the experts: no all-gather in
+    it has the shape of a layer's (or the stack's) routed expert weights."""
+    mesh = sharding.make_mesh({"expert": 8})
+    model = dsv4_jax.load(native, mesh=mesh)
+    cfg = model.config
+    cache = init_cache(cfg, 8, 64)
+    cache = jax.device_put(cache, sharding.cache_shardings(cache, mesh, cfg.layout))
+    with model.on_mesh():
+        hlo = jax.jit(step, static_argnums=(3, 4), donate_argnums=1).lower(
+            model.params, cache, model.place_rows(np.zeros((8, 1), np.int32)), cfg, True).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
+    assert gathers, "the tokens are all-gathered"
+    w1 = model.params["layers"]["ffn"]["w1"]
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    expert_shapes = [f"[{E},{I},{D // 2}]", f"[{E},{D},{I // 2}]", f"[{cfg.num_layers},{E},"]
+    for line in gathers:
+        result = line.split("=", 1)[1].split("all-gather", 1)[0]
+        assert not any(s in result for s in expert_shapes), line.strip()[:200]
+    assert w1.values.shape == (cfg.num_layers, E, I, D // 2)
+
+
+def test_bad_meshes_and_layouts(native):
+    with pytest.raises(ValueError, match="unknown layout 'nope'"):
+        dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 8}), layout="nope")
+    with pytest.raises(ValueError, match=r"splits experts \(8\) into 16 pieces|needs 16 devices"):
+        sharding.make_mesh({"expert": 16})
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        sharding.make_mesh({"model": 8})
+    with pytest.raises(ValueError, match="`layout` needs a `mesh`"):
+        dsv4_jax.load(native, layout="dp_attention")
+    with pytest.raises(ValueError, match="unknown logical axis"):
+        sharding.Layout("mine", (("experts2", ("expert",)),))
+    tiny = dsv4_jax.ModelConfig.from_hf(CONFIG)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+    with pytest.raises(ValueError, match=r"splits heads \(4\)|o_groups \(2\) is not divisible by 4"):
+        sharding.check_divisible(tiny, mesh, sharding.PRESETS["tp_attention"])
+
+
+def test_unsplittable_block_scales_are_an_error(tmp_path):
+    """TINY's experts are 16 wide: their FP4 scales (one per 32 inputs) cannot follow a width split
+    over tensor=2 (tp_attention); the forward says so instead of computing with the wrong scales."""
+    cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)
+    write_hf_checkpoint(dsv4_jax.init_params(cfg, seed=3, std=0.1), cfg, str(tmp_path / "hf"), quantize=True)
+    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "native"), "--dtype", "native"]) == 0
+    model = dsv4_jax.load(tmp_path / "native", mesh=sharding.make_mesh({"data": 4, "tensor": 2}),
+                          layout="tp_attention")
+    with pytest.raises(ValueError, match=r"splits a fp4 weight \[7, 8, 32, 16\].*block scales"):
+        model(_ids(cfg, 4, 8))
