@@ -127,6 +127,27 @@ def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.asarray(devices).reshape(sizes), names)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {"data": 2, "expert": 4} (the CLIs' --mesh)."""
+    shape = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1 or name in shape:
+            raise ValueError(f"--mesh must be AXIS=SIZE pairs separated by commas, each axis one of "
+                             f"{list(MESH_AXES)} at most once, e.g. data=2,expert=4; got {text!r}")
+        shape[name] = int(size)
+    return shape
+
+
+def add_arguments(parser) -> None:
+    """The CLIs' mesh flags."""
+    parser.add_argument("--mesh", help="run on a device mesh, e.g. data=2,expert=4 (sizes multiply to the "
+                                       "number of devices, of every process)")
+    parser.add_argument("--layout", choices=sorted(PRESETS), help=f"where arrays live on --mesh (default "
+                                                                  f"{DEFAULT_LAYOUT})")
+
+
 # ---- logical axes of every leaf -----------------------------------------------------------
 
 _PARAM_AXES = {  # by the leaf's path without its leading stacked axes; leaves not listed: replicated
