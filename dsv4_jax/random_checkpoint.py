@@ -213,7 +213,8 @@ def _check_target(directory: str, overwrite: bool) -> bool:
     if not os.listdir(directory):
         return False
     if not overwrite:
-        raise RandomCheckpointError(f"{directory} is not empty (--overwrite replaces only a previous random checkpoint)")
+        raise RandomCheckpointError(
+            f"{directory} is not empty (--overwrite replaces only a previous random checkpoint)")
     if not is_random_checkpoint(directory):
         raise RandomCheckpointError(f"{directory} is not empty and is not a random checkpoint written by this tool; "
                                     f"refusing to replace it")
@@ -289,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("dir", help="output directory (missing or empty)")
     ap.add_argument("--preset", required=True, help=f"model size: {' | '.join(PRESETS)}")
     ap.add_argument("--with-mtp", action="store_true", help="add the mtp.0.* block (num_nextn_predict_layers 1)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of the weights and the tokenizer's merges (default 0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed of the weights and the tokenizer's merges (default 0)")
     ap.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a previous random checkpoint")
     try:
         args = ap.parse_args(argv)

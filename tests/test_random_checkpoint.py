@@ -53,7 +53,8 @@ def test_converts_loads_and_generates(tiny, tmp_path):
     hf_mtp = {n for n in scan_checkpoint(tiny) if n.startswith("mtp.") and not n.endswith(".scale")}
     out = tmp_path / "converted"
     convert(tiny, str(out))  # bfloat16 (its programs compile faster than a native one's)
-    assert {"params", "mtp", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(os.listdir(out))
+    want = {"params", "mtp", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert want <= set(os.listdir(out))
     mtp = load_mtp(out)  # the mtp tensors land in mtp/, each with its logical shape
     assert set(mtp) == hf_mtp
     entries = scan_checkpoint(tiny)
