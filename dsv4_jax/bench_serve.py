@@ -560,7 +560,7 @@ def parse_args(argv) -> tuple:
         specs = random_prompts(n + args.warmup, args.input_len, args.output_len,
                                text=args.endpoint == "chat" or args.random_text, tokenizer=tok,
                                vocab_size=args.vocab_size, seed=args.seed)
-    return args, specs[args.warmup:], specs[:args.warmup]
+    return args, specs[:n], specs[n:]  # the warm-up requests come after: they do not shift the timed ones
 
 
 def main(argv=None) -> int:

@@ -176,12 +176,12 @@ def mtp_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
     block = cfg.replace(num_layers=1, compress_ratios=(0,), hash_layers=(False,), num_nextn_predict_layers=0,
                         use_index_cache=False, index_topk_pattern=None)
-    mtp_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+    block_seed, extra_seed = (int(x) for x in np.random.SeedSequence([seed, 1]).generate_state(2))
     out = {}
-    for name, arr in official_tensors(init_params(block, seed=mtp_seed, std=WEIGHT_STD), block).items():
+    for name, arr in official_tensors(init_params(block, seed=block_seed, std=WEIGHT_STD), block).items():
         if name not in ("embed.weight", "head.weight"):
             out["mtp.0." + name.removeprefix("layers.0.")] = np.asarray(arr)
-    rng = np.random.default_rng(mtp_seed)
+    rng = np.random.default_rng(extra_seed)
     D = cfg.hidden_size
     for proj in ("e_proj", "h_proj"):
         out[f"mtp.0.{proj}.weight"] = (WEIGHT_STD * rng.standard_normal((D, D))).astype(np.float32)
@@ -256,6 +256,8 @@ def write_random_checkpoint(directory: str | os.PathLike, preset: str, with_mtp:
     while not os.path.lexists(probe):
         created.append(probe)
         probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise RandomCheckpointError(f"cannot create {directory}: {probe} is not a directory")
     tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{secrets.token_hex(4)}")
     try:
         os.makedirs(parent, exist_ok=True)

@@ -203,7 +203,7 @@ def test_refuses_a_users_directory_and_leaves_nothing_behind(tmp_path, capsys):
                           ([str(tmp_path / "x"), "--preset", "tiny", "--seed", "one"], "invalid int value"),
                           ([str(tmp_path / "x")], "--preset"),
                           ([str(user / "notes.txt"), "--preset", "tiny"], "is not a directory"),
-                          ([str(user / "notes.txt" / "sub"), "--preset", "tiny"], "")]:
+                          ([str(user / "notes.txt" / "sub"), "--preset", "tiny"], "notes.txt is not a directory")]:
         assert rc.main(argv) == 1, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("random_checkpoint: error: ") and message in err, err
