@@ -50,24 +50,36 @@ def official_config(cfg: ModelConfig) -> dict:
 
 # Linears the published checkpoints store in FP8 (128x128 block scales); routed experts are FP4.
 FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
-               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "e_proj", "h_proj")
 
 
-def write_hf_checkpoint(params: dict, cfg: ModelConfig, directory: str, *, num_shards: int = 1,
-                        dtype=ml_dtypes.bfloat16, quantize: bool = False) -> None:
-    """Writes params under their official names; float weights in `dtype`, except the tensors
-    the published checkpoints keep in fp32 (hc_*, attn_sink, ape, gate.bias). With quantize,
-    as the published checkpoints store them: FP8 e4m3 linears with E8M0 `.scale` per 128x128
-    block, FP4 e2m1 routed experts packed two per byte with E8M0 scales per 32 inputs."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(official_config(cfg), f, indent=2)
-    tensors = {}
+def official_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The main model's tensors by official name (numpy arrays, as the tree holds them)."""
+    out = {}
     for name, (path, index) in checkpoint_layout(cfg).items():
         leaf = params
         for k in path:
             leaf = leaf[k]
-        arr = np.asarray(leaf[index] if index else leaf)
+        out[name] = np.asarray(leaf[index] if index else leaf)
+    return out
+
+
+def write_hf_checkpoint(params: dict, cfg: ModelConfig, directory: str, *, num_shards: int = 1,
+                        dtype=ml_dtypes.bfloat16, quantize: bool = False,
+                        mtp: dict[str, np.ndarray] | None = None) -> None:
+    """Writes params under their official names; float weights in `dtype`, except the tensors
+    the published checkpoints keep in fp32 (hc_*, attn_sink, ape, gate.bias). With quantize,
+    as the published checkpoints store them: FP8 e4m3 linears with E8M0 `.scale` per 128x128
+    block, FP4 e2m1 routed experts packed two per byte with E8M0 scales per 32 inputs. `mtp`:
+    the `mtp.*` tensors by official name (float arrays), stored by the same rules (e_proj and
+    h_proj FP8); only for a cfg with num_nextn_predict_layers > 0."""
+    if mtp and not cfg.num_nextn_predict_layers:
+        raise ValueError("mtp tensors given for a config with num_nextn_predict_layers 0")
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(official_config(cfg), f, indent=2)
+    tensors = {}
+    for name, arr in {**official_tensors(params, cfg), **(mtp or {})}.items():
         base = name[: -len(".weight")]
         if arr.dtype.kind in "iu":
             arr = arr.astype(np.int64)

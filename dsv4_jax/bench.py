@@ -33,20 +33,7 @@ from .config import ModelConfig
 from .generate import _decode_loop, _prefill, prefill_chunks
 from .hf_reference import make_model
 from .layer_weights import unstack_layers
-
-# Flash's attention geometry (head_dim 512, rope 64, window 128, indexer 8 x 128 top-64, YaRN
-# 16 over 65536) on an 8-layer, 512-wide body: about 87 M parameters.
-FLASH_MINI = dict(
-    vocab_size=4096, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=8,
-    num_attention_heads=8, head_dim=512, qk_rope_head_dim=64, q_lora_rank=256, o_groups=2, o_lora_rank=256,
-    sliding_window=128, index_n_heads=8, index_head_dim=128, index_topk=64,
-    compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128], num_nextn_predict_layers=0,
-    num_hash_layers=1, n_routed_experts=16, num_experts_per_tok=2, hc_mult=4, hc_sinkhorn_iters=20,
-    routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                  "beta_fast": 32, "beta_slow": 1},
-    max_position_embeddings=1048576, tie_word_embeddings=False,
-)
+from .random_checkpoint import FLASH_MINI  # the "flash-mini" model's config (legacy HF form)
 
 # --quick: every layer kind, small widths.
 QUICK_MODEL = dict(

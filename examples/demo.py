@@ -1,6 +1,7 @@
 """The main job on an embedded default: a tiny random-weight DeepSeek-V4 checkpoint is made on
 the spot in the published format (official names, FP8 linears and FP4 experts with their
-scales, three shards), converted by `dsv4-convert`, loaded, and generated from.
+scales, three shards, a byte-level tokenizer: `dsv4_jax.random_checkpoint`'s "tiny" preset),
+converted by `dsv4-convert`, loaded, and generated from.
 
     python examples/demo.py [--out DIR] [--tokens N] [--dtype native|bfloat16|float32]
 """
@@ -21,18 +22,7 @@ import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
-from convert.export_hf import write_hf_checkpoint  # noqa: E402
-
-# Every layer kind (window only, ratio 4 with its indexer, ratio 128), hash and learned routing,
-# 4 hyper-connection streams, Flash's rope geometry scaled down.
-TINY = dsv4_jax.ModelConfig(
-    vocab_size=256, hidden_size=128, num_layers=6, num_heads=4, head_dim=128, rope_head_dim=32,
-    q_lora_rank=64, o_groups=2, o_lora_rank=64, sliding_window=32,
-    compress_ratios=(0, 4, 128, 4, 128, 4), hash_layers=(True,) + (False,) * 5,
-    index_n_heads=16, index_head_dim=64, index_topk=16, n_routed_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=64, routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4,
-    hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000.0,
-    compress_rope_theta=160000.0, yarn=dsv4_jax.Yarn(16.0, 65536, 32.0, 1.0), num_nextn_predict_layers=0)
+from dsv4_jax.random_checkpoint import PRESETS, TINY, write_random_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -46,10 +36,11 @@ def main() -> None:
     hf_dir, out_dir = os.path.join(work, "hf"), os.path.join(work, "converted")
     try:
         t0 = time.perf_counter()
-        write_hf_checkpoint(dsv4_jax.init_params(TINY, seed=0, std=0.08), TINY, hf_dir, num_shards=3, quantize=True)
+        write_random_checkpoint(hf_dir, "tiny", seed=0, overwrite=True)
         size = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir))
         print(f"1. made a random {TINY.num_layers}-layer checkpoint, layer kinds {list(TINY.compress_ratios)}: "
-              f"{size / 1e6:.1f} MB in 3 safetensors shards (FP8 + FP4) at {hf_dir} ({time.perf_counter() - t0:.1f}s)")
+              f"{size / 1e6:.1f} MB in {PRESETS['tiny'][1]} safetensors shards (FP8 + FP4) and a byte-level "
+              f"tokenizer at {hf_dir} ({time.perf_counter() - t0:.1f}s)")
 
         t0 = time.perf_counter()
         convert(hf_dir, out_dir, dtype=args.dtype, overwrite=True)
