@@ -63,6 +63,7 @@ def _attention_inputs(b, t, h, d, n, k, dtype, seed):
         (2, 1, 16, 512, 300, 160, jnp.bfloat16),  # decode, D = 512
         (1, 1, 8, 512, 40, 96, jnp.float32),  # decode, D = 512, one partial block
         (1, 4, 8, 256, 64, 130, jnp.bfloat16),  # prefill bf16
+        (1, 2, 8, 128, 41, 100, jnp.bfloat16),  # bf16 kv with an odd row count (the TPU kernel pads a row)
     ],
 )
 def test_sparse_attention_matches_ref(b, t, h, d, n, k, dtype):
