@@ -156,8 +156,12 @@ def compress_tpu(a, z, norm_weight, cos, sin, *, ratio: int, eps: float, prev_a=
     operands += [norm_weight.reshape(1, d), cos2, sin2]
 
     kernel = functools.partial(_kernel, ratio=ratio, d=d, tn=tn, eps=float(eps), tail_off=tail_off)
+    # What the pipeline moves: a and z once, prev once per batch row, the tile-edge rows per step,
+    # cos / sin on 128 lanes, the weight once, the output.
+    edge_rows = (ratio if overlap else 0) + (8 * steps if overlap and steps > 1 else 0)
+    read = 2 * (a.size + bsz * edge_rows * c) * 4 + 2 * cos2.size * 4 + d * norm_weight.dtype.itemsize
     cost = pl.CostEstimate(flops=6 * bsz * length * c, transcendentals=2 * bsz * length * c,
-                           bytes_accessed=2 * a.size * 4 + bsz * n * d * jnp.dtype(out_dtype).itemsize)
+                           bytes_accessed=read + bsz * n * d * jnp.dtype(out_dtype).itemsize)
     return pl.pallas_call(
         kernel,
         grid=(bsz, steps),

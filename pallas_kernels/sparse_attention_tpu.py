@@ -87,7 +87,8 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
     q = q_ref[...]
     if q.dtype != mxu_dtype:
         q = q.astype(mxu_dtype)
-    precision = lax.Precision.HIGHEST if mxu_dtype == jnp.float32 else None
+    # Stated, not left to jax_default_matmul_precision: Mosaic rejects an fp32-precision bf16 product.
+    precision = lax.Precision.HIGHEST if mxu_dtype == jnp.float32 else lax.Precision.DEFAULT
 
     fetch(0, 0)
 
@@ -159,7 +160,7 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int):
     )
     rows_read = bsz * t_len * k * d * 4  # a 32-bit word per element: fp32 rows, or bf16 row pairs
     cost = pl.CostEstimate(flops=4 * bsz * t_len * h * k_pad * d, transcendentals=bsz * t_len * h * k_pad,
-                           bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8)
+                           bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8 + h * 4)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
