@@ -28,11 +28,15 @@ import os
 import re
 from typing import Any, NamedTuple
 
-# The CUDA plugin checks the installed CUDA runtime libraries before it registers itself, and
-# without them it does not register. Compiling needs no runtime (only ptxas), so the check is
-# skipped. JAX reads this when it first discovers its plugins (its first use of a backend), so
-# it is set on import, before that.
+# Both variables are read when JAX first discovers its plugins (its first use of a backend), so
+# they are set on import, before that. The CUDA plugin checks the installed CUDA runtime
+# libraries before it registers itself, and without them it does not register; compiling needs
+# no runtime (only ptxas), so the check is skipped.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) that guards the TPU chips, so a second
+# process loading it fails ("Internal error when accessing libtpu multi-process lockfile"), e.g.
+# a test run and the report it starts, or two runs on one machine. Compiling touches no chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402

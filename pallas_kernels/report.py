@@ -8,7 +8,8 @@ TPU v5p, TPU v6e and an H100, and the record holds:
     program per device (for the kernel's custom call XLA takes the kernel's own declared
     pl.CostEstimate, shown as "declared_cost"; the rest is the wrapper's XLA ops);
   * GPU: "smem_bytes" (the kernel launch's dynamic shared memory, from Mosaic GPU's MLIR dump),
-    "registers" and "spill_bytes" per thread (ptxas's log: MOSAIC_GPU_DUMP_PTXAS);
+    "registers" and "spill_bytes" per thread (ptxas's log: MOSAIC_GPU_DUMP_PTXAS). Mosaic GPU
+    dumps a kernel only when it compiles it, once per process, so the report runs in a fresh one;
   * both: "program_memory" (XLA's memory analysis) and "minimum_bytes": what the kernel must
     move at least, every needed byte read once and the output written once (sparse attention:
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
@@ -103,6 +104,9 @@ def _gpu_facts(dump_dir: str) -> dict:
     """SMEM, registers and spills of the one Mosaic GPU kernel whose dumps are in dump_dir."""
     logs = [f for f in os.listdir(dump_dir) if f.endswith(".ptxas")]
     passes = [f for f in os.listdir(dump_dir) if f.endswith(".mlir-passes.log")]
+    if not logs and not passes:
+        raise RuntimeError("Mosaic GPU wrote no dump: it compiled this kernel earlier in this process and "
+                           "reused it (a cache that cannot be cleared); run the report in a fresh process")
     if len(logs) != 1 or len(passes) != 1:
         raise RuntimeError(f"expected one kernel's ptxas log and MLIR dump in {dump_dir}, found {sorted(os.listdir(dump_dir))}")
     log = open(os.path.join(dump_dir, logs[0])).read()
@@ -149,8 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated compile targets")
     args = parser.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
-    for t in targets:
-        aot.target(t)  # unknown names fail before any compile
+    unknown = [t for t in targets if t not in aot.TARGETS]
+    if unknown or not targets:  # before any compile
+        parser.error(f"unknown compile targets {unknown}; known: {', '.join(aot.TARGETS)}")
     json.dump(report(targets), sys.stdout, indent=1)
     print()
     return 0

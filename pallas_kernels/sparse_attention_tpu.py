@@ -5,26 +5,23 @@ One grid step handles one query token (all H heads at once, so the MXU sees an [
 product). The token's index row reaches the kernel twice:
   * scalar-prefetched into SMEM (PrefetchScalarGridSpec): the DMA engine needs the row numbers as
     scalars to address the kv rows in HBM;
-  * as an ordinary VMEM block [1, K]: a lane vector to mask the logits of padding (-1) keys.
+  * as an ordinary VMEM block [1, K]: a lane vector to mask the logits of padding (-1) keys
+    (and, for bf16 kv, to tell each slot's row parity, below).
 kv stays in HBM (memory space ANY). For each block of BK keys the kernel starts one DMA per
-valid index (one kv row) into a double-buffered VMEM tile [2, BK, row words]; padding slots
+valid index into a double-buffered VMEM tile [2, BK, D] of 32-bit words; padding slots
 are not copied (no HBM traffic) and keep finite data (the tile is zeroed at the start of each
 grid step) which gets probability exactly 0. While block i is being used, the
 DMAs of block i+1 are in flight. The softmax is online across key blocks, in fp32, with the
 running max initialised to the sink logit and the running denominator to exp(sink - sink) = 1,
 which folds the sink into the denominator and makes a row with no valid key come out as 0.
 
-Row formats. A DMA moves whole 32-bit words along a row: TPU keeps 16-bit arrays with two
-consecutive rows packed into each 32-bit word (in HBM as in VMEM), so a single bf16 row sits at
-no address of its own, and Mosaic rejects the one-row copy ("Offsets along tiled dimensions
-must be aligned to tiles"). The kernel therefore picks one of two formats by dtype:
-  * "words" (q and kv both bf16): the wrapper packs each row's element pairs (2i, 2i+1) into one
-    uint32 (`pack_pairs`: q and kv `[..., D]` -> `[..., D / 2]`), the kernel unpacks them into
-    the even and the odd elements (exact: bf16 -> fp32 is a 16-bit shift), computes
-    q.k = q_even.k_even + q_odd.k_odd and p.V per half, and writes the output packed the same
-    way (unpacked by the wrapper);
-  * "rows" (otherwise): 32-bit kv rows (fp32; any other kv dtype is cast to fp32 first), q and
-    the output in their own dtype.
+Row formats. A DMA moves whole 32-bit words, and TPU keeps a 16-bit array with two consecutive
+rows packed into each 32-bit word (in HBM as in VMEM), so a single bf16 row has no address of its
+own: Mosaic rejects a one-row copy of it ("Offsets along tiled dimensions must be aligned to
+tiles"). So for bf16 kv the kernel views kv as 32-bit words [B, N / 2, D] (the wrapper pads N to
+even), fetches word row `row // 2` (the row and its neighbour: twice the row's bytes) and keeps
+the slot's own half, exactly: a bf16's fp32 value is its 16 bits on top of 16 zero bits. Other kv
+dtypes are fp32 rows (cast to fp32 first unless they are).
 """
 
 from __future__ import annotations
@@ -102,10 +99,14 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
 
         wait(blk, slot)
         idx = idxv_ref[:, pl.ds(pl.multiple_of(blk * block_k, block_k), block_k)]  # [1, BK]
-        if pairs:  # each slot's own row out of its word row: the low half for an even row
+        if pairs:  # each slot's own row out of its word row: the low half for an even row (the
+            # packing of Mosaic's bitcast as the Pallas interpreter models it; not seen on a TPU)
             words = buf[slot]  # uint32 [BK, D]
-            odd = jnp.transpose(jnp.broadcast_to(idx & 1, (8, block_k)))[:, :1] == 1  # [BK, 1]
-            rows = pltpu.bitcast(jnp.where(odd, words & jnp.uint32(0xFFFF0000), words << 16), jnp.float32)
+            col = jnp.transpose(jnp.broadcast_to(idx, (8, block_k)))[:, :1]  # the indices as [BK, 1]
+            half = jnp.where((col & 1) == 1, words & jnp.uint32(0xFFFF0000), words << 16)
+            # A -1 slot's words are stale and may hold an unselected neighbour (NaN is allowed
+            # there): zeros, so that p = 0 times the row stays 0.
+            rows = pltpu.bitcast(jnp.where(col >= 0, half, jnp.uint32(0)), jnp.float32)
         else:
             rows = buf[slot].astype(jnp.float32)  # [BK, D]
         s = lax.dot_general(q, rows.astype(mxu_dtype), (((1,), (1,)), ((), ())), precision=precision,
