@@ -39,8 +39,24 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
+from jax._src import lib as _jax_lib  # noqa: E402  (where JAX found its CUDA tools: no public entry point)
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
+
+
+def _put_ptxas_first_on_path() -> None:
+    """XLA runs the ptxas in JAX's CUDA path (the aot extra's nvidia-cuda-nvcc-cu12), but Mosaic
+    GPU runs the first `ptxas` on PATH, else /usr/local/cuda's: on this machine image that was
+    CUDA 13.0's while XLA used 12.9's. With the package's directory (it holds only ptxas) first on
+    PATH both use the pinned one, whatever the machine has."""
+    if _jax_lib.cuda_path and os.path.isfile(os.path.join(_jax_lib.cuda_path, "bin", "ptxas")):
+        bin_dir = os.path.join(_jax_lib.cuda_path, "bin")
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[0] != bin_dir:
+            os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
+_put_ptxas_first_on_path()
 
 
 @dataclasses.dataclass(frozen=True)
