@@ -3,18 +3,20 @@ by the Pallas interpreter on CPU).
 
 a and z keep their natural layout [B, L = n * ratio, C] (tokens on sublanes, features on lanes),
 so no relayout copy is needed in HBM. One grid step produces TN entries from a [TN * ratio, C]
-tile of a and of z. Candidate r of all TN entries is one strided sublane load
-(rows r, r + ratio, r + 2 ratio, ...), giving a [TN, C'] slab; the softmax over candidates is
-then plain elementwise work across slabs:
+tile of a and of z, which reaches the kernel as C / 128 lane columns: the same array is passed
+once per 128-lane column, each with a [TN * ratio, 128] block. (Mosaic's strided load, below,
+only reads a buffer exactly 128 lanes wide.) Candidate r of all TN entries in a column is one
+strided sublane load (rows r, r + ratio, r + 2 ratio, ...), giving a [TN, 128] slab; the softmax
+over candidates is then plain elementwise work across slabs, column by column:
   * ratio 128: 128 candidates, own block only (three passes over the slabs: max, sum, weighted sum);
   * ratio 4: this block's tokens (second-half features) and the previous block's tokens
     (first-half features). The previous block of entry j is entry j-1 of the same slab (a
     sublane roll by one); for the first entry of the tile it comes from a small extra operand:
     the 8 token rows just before the tile (the tile's "tail"), or prev_a / prev_z on the first
     tile.
-The pooled entry is rounded to out_dtype, RMS-normalised (fp32 inside), and its last lane tile
+The pooled entry is rounded to out_dtype, RMS-normalised (fp32 inside), and its last lane column
 (128 lanes, which hold the rope dims) rotated: pairs are swapped with two lane rolls, and the
-wrapper supplies cos / signed sin expanded to that lane tile (1 / 0 on the non-rope lanes).
+wrapper supplies cos / signed sin expanded to that lane column (1 / 0 on the non-rope lanes).
 """
 
 from __future__ import annotations
@@ -38,49 +40,60 @@ def entries_per_step(n: int, ratio: int, c: int) -> int:
     return n if n <= tn else tn
 
 
-def _kernel(a_ref, z_ref, pa_ref, pz_ref, ta_ref, tz_ref, w_ref, cos_ref, sin_ref, o_ref, *,
-            ratio: int, d: int, tn: int, eps: float, tail_off: int):
+def _kernel(*refs, ratio: int, d: int, tn: int, eps: float, tail_off: int):
+    nc = (2 * d if ratio == 4 else d) // LANES  # lane columns of a and z
+    a_cols, z_cols = refs[:nc], refs[nc:2 * nc]
+    pa_ref, pz_ref, ta_ref, tz_ref, w_ref, cos_ref, sin_ref, o_ref = refs[2 * nc:]
     overlap = ratio == 4
     f32 = jnp.float32
+    out_cols = range(d // LANES)
 
-    def cur(ref, r, lo):  # candidate r of every entry in the tile: [TN, d]
-        return ref[pl.ds(r, tn, stride=ratio), pl.ds(lo, d)].astype(f32)
+    def cur(col, r):  # candidate r of every entry in the tile, one lane column: [TN, 128]
+        return col[pl.ds(r, tn, stride=ratio), :].astype(f32)
 
     if overlap:
         i = pl.program_id(1)
-        first = lax.broadcasted_iota(jnp.int32, (tn, d), 0) == 0
+        first = lax.broadcasted_iota(jnp.int32, (tn, LANES), 0) == 0
 
-        def before(ref, p_ref, t_ref, r):
-            # Block j-1's token r (first-half features) for every entry j of the tile.
-            x = pltpu.roll(cur(ref, r, 0), 1, 0) if tn > 1 else cur(ref, r, 0)
-            edge = jnp.where(i == 0, p_ref[pl.ds(r, 1), pl.ds(0, d)].astype(f32),
-                             t_ref[pl.ds(tail_off + r, 1), pl.ds(0, d)].astype(f32))
+        def before(col, p_ref, t_ref, r, c):
+            # Block j-1's token r (first-half features, column c) for every entry j of the tile.
+            x = pltpu.roll(cur(col, r), 1, 0) if tn > 1 else cur(col, r)
+            lanes = pl.ds(c * LANES, LANES)
+            edge = jnp.where(i == 0, p_ref[pl.ds(r, 1), lanes].astype(f32),
+                             t_ref[pl.ds(tail_off + r, 1), lanes].astype(f32))
             return jnp.where(first, edge, x)
 
-        zs = [before(z_ref, pz_ref, tz_ref, r) for r in range(4)] + [cur(z_ref, r, d) for r in range(4)]
-        m = functools.reduce(jnp.maximum, zs)
-        es = [jnp.exp(zr - m) for zr in zs]
-        s = functools.reduce(jnp.add, es)
-        avals = [before(a_ref, pa_ref, ta_ref, r) for r in range(4)] + [cur(a_ref, r, d) for r in range(4)]
-        pooled = functools.reduce(jnp.add, [ar * (er / s) for ar, er in zip(avals, es)])
+        def pool(c):  # the 8 candidates of output column c: block j-1's first half, block j's second
+            nh = d // LANES
+            zs = ([before(z_cols[c], pz_ref, tz_ref, r, c) for r in range(4)]
+                  + [cur(z_cols[nh + c], r) for r in range(4)])
+            m = functools.reduce(jnp.maximum, zs)
+            es = [jnp.exp(zr - m) for zr in zs]
+            s = functools.reduce(jnp.add, es)
+            avals = ([before(a_cols[c], pa_ref, ta_ref, r, c) for r in range(4)]
+                     + [cur(a_cols[nh + c], r) for r in range(4)])
+            return functools.reduce(jnp.add, [ar * (er / s) for ar, er in zip(avals, es)])
     else:
-        m = lax.fori_loop(1, ratio, lambda r, acc: jnp.maximum(acc, cur(z_ref, r, 0)), cur(z_ref, 0, 0))
-        s = lax.fori_loop(0, ratio, lambda r, acc: acc + jnp.exp(cur(z_ref, r, 0) - m), jnp.zeros((tn, d), f32))
-        pooled = lax.fori_loop(
-            0, ratio, lambda r, acc: acc + cur(a_ref, r, 0) * (jnp.exp(cur(z_ref, r, 0) - m) / s),
-            jnp.zeros((tn, d), f32))
+        def pool(c):
+            a_col, z_col = a_cols[c], z_cols[c]
+            m = lax.fori_loop(1, ratio, lambda r, acc: jnp.maximum(acc, cur(z_col, r)), cur(z_col, 0))
+            s = lax.fori_loop(0, ratio, lambda r, acc: acc + jnp.exp(cur(z_col, r) - m), jnp.zeros((tn, LANES), f32))
+            return lax.fori_loop(
+                0, ratio, lambda r, acc: acc + cur(a_col, r) * (jnp.exp(cur(z_col, r) - m) / s),
+                jnp.zeros((tn, LANES), f32))
 
-    x = pooled.astype(o_ref.dtype).astype(f32)
-    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    y = (w_ref[...].astype(f32) * y).astype(o_ref.dtype)
-    # Rotate the last lane tile: out = x * cos + swap_pairs(x) * signed_sin.
-    xr = y[:, d - LANES:].astype(f32)
-    even = lax.broadcasted_iota(jnp.int32, xr.shape, 1) % 2 == 0
-    swapped = jnp.where(even, pltpu.roll(xr, LANES - 1, 1), pltpu.roll(xr, 1, 1))
-    rot = xr * cos_ref[...] + swapped * sin_ref[...]
-    if d > LANES:
-        o_ref[:, : d - LANES] = y[:, : d - LANES]
-    o_ref[:, d - LANES:] = rot.astype(o_ref.dtype)
+    xs = [pool(c).astype(o_ref.dtype).astype(f32) for c in out_cols]
+    ms = functools.reduce(jnp.add, [jnp.sum(x * x, axis=-1, keepdims=True) for x in xs]) / d
+    inv = lax.rsqrt(ms + eps)
+    for c, x in zip(out_cols, xs):
+        lanes = pl.ds(c * LANES, LANES)
+        y = (w_ref[:, lanes].astype(f32) * (x * inv)).astype(o_ref.dtype)
+        if c == len(xs) - 1:  # the rope column: out = y * cos + swap_pairs(y) * signed_sin
+            yr = y.astype(f32)
+            even = lax.broadcasted_iota(jnp.int32, yr.shape, 1) % 2 == 0
+            swapped = jnp.where(even, pltpu.roll(yr, LANES - 1, 1), pltpu.roll(yr, 1, 1))
+            y = (yr * cos_ref[...] + swapped * sin_ref[...]).astype(o_ref.dtype)
+        o_ref[:, lanes] = y
 
 
 def supported(d: int, rope: int) -> bool:
@@ -115,8 +128,10 @@ def compress_tpu(a, z, norm_weight, cos, sin, *, ratio: int, eps: float, prev_a=
     sin2 = jnp.concatenate([jnp.zeros((bsz, n, pad), jnp.float32), sin2], axis=-1)
 
     tile = lambda b, i: (b, i, 0)
-    in_specs = [pl.BlockSpec((None, rows, c), tile), pl.BlockSpec((None, rows, c), tile)]
-    operands = [a, z]
+    nc = c // LANES
+    columns = [pl.BlockSpec((None, rows, LANES), lambda b, i, k=k: (b, i, k)) for k in range(nc)]
+    in_specs = columns + columns
+    operands = [a] * nc + [z] * nc
     if overlap:
         if prev_a is None:
             pa = jnp.zeros((bsz, ratio, c), jnp.float32)
@@ -141,8 +156,12 @@ def compress_tpu(a, z, norm_weight, cos, sin, *, ratio: int, eps: float, prev_a=
     operands += [norm_weight.reshape(1, d), cos2, sin2]
 
     kernel = functools.partial(_kernel, ratio=ratio, d=d, tn=tn, eps=float(eps), tail_off=tail_off)
+    # What the pipeline moves: a and z once, prev once per batch row, the tile-edge rows per step,
+    # cos / sin on 128 lanes, the weight once, the output.
+    edge_rows = (ratio if overlap else 0) + (8 * steps if overlap and steps > 1 else 0)
+    read = 2 * (a.size + bsz * edge_rows * c) * 4 + 2 * cos2.size * 4 + d * norm_weight.dtype.itemsize
     cost = pl.CostEstimate(flops=6 * bsz * length * c, transcendentals=2 * bsz * length * c,
-                           bytes_accessed=2 * a.size * 4 + bsz * n * d * jnp.dtype(out_dtype).itemsize)
+                           bytes_accessed=read + bsz * n * d * jnp.dtype(out_dtype).itemsize)
     return pl.pallas_call(
         kernel,
         grid=(bsz, steps),

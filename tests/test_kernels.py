@@ -63,6 +63,7 @@ def _attention_inputs(b, t, h, d, n, k, dtype, seed):
         (2, 1, 16, 512, 300, 160, jnp.bfloat16),  # decode, D = 512
         (1, 1, 8, 512, 40, 96, jnp.float32),  # decode, D = 512, one partial block
         (1, 4, 8, 256, 64, 130, jnp.bfloat16),  # prefill bf16
+        (1, 2, 8, 128, 41, 100, jnp.bfloat16),  # bf16 kv with an odd row count (the TPU kernel pads a row)
     ],
 )
 def test_sparse_attention_matches_ref(b, t, h, d, n, k, dtype):
@@ -85,6 +86,19 @@ def test_sparse_attention_all_invalid_and_duplicates():
     logit = 0.1 * np.einsum("hd,d->h", np.asarray(q[0, 1]), np.asarray(kv[0, 3]))
     w = 5 * np.exp(logit) / (5 * np.exp(logit) + np.exp(np.asarray(sink)))
     np.testing.assert_allclose(np.asarray(out[0, 1]), w[:, None] * np.asarray(kv[0, 3])[None], rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_attention_unselected_rows_do_not_leak():
+    # bf16 rows travel in pairs on TPU (a row and its neighbour): NaN in rows nobody selects (odd
+    # rows here), fetched beside selected ones, must not reach the output, and neither may a
+    # -1 slot whose buffer still holds an earlier block's pair.
+    q, kv, _, sink = _attention_inputs(1, 2, 8, 128, 64, 384, jnp.bfloat16, seed=11)
+    kv = kv.at[:, 1::2].set(jnp.nan)
+    even, slots = (2 * jnp.arange(384, dtype=jnp.int32)) % 64, jnp.arange(384)
+    # token 0: key block 0 full, blocks 1-2 all -1 (block 2 reuses block 0's buffer); token 1: mixed
+    idx = jnp.stack([jnp.where(slots < 128, even, -1), jnp.where(slots % 3 == 0, even, -1)])[None]
+    out = sparse_attention(q, kv, idx, sink, scale=0.1, impl="pallas")
+    _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.1))
 
 
 def test_sparse_attention_chunked_prefill(monkeypatch):

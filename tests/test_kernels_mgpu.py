@@ -5,8 +5,8 @@ The interpreter simulates GMEM / SMEM, TMA copies and barriers (SMEM starts as N
 slot that no copy filled shows up), and can look for races between threads and TMA copies. It
 does not model register layouts: `plgpu.load` and `layout_cast` are not supported by it, so the
 kernels drop those annotations when interpreted (`interpret` argument) and read refs plainly.
-Layouts, bank conflicts, register pressure and the PTX compile are only checked (as far as export
-goes) by tests/test_kernel_export.py; nothing here has run on a GPU.
+The compile for sm_90a (layouts, the PTX compile by ptxas) is checked by tests/test_aot_kernels.py;
+bank conflicts and speed are not, and nothing here has run on a GPU.
 """
 
 from __future__ import annotations

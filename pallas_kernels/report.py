@@ -1,0 +1,165 @@
+"""`python -m pallas_kernels.report`: what the real compilers say about each kernel at
+DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and case).
+
+Each kernel is compiled ahead of time (dsv4_jax.aot; the `aot` extra, no accelerator needed) for
+TPU v5p, TPU v6e and an H100, and the record holds:
+  * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
+    custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
+    program per device (for the kernel's custom call XLA takes the kernel's own declared
+    pl.CostEstimate, shown as "declared_cost"; the rest is the wrapper's XLA ops);
+  * GPU: "smem_bytes" (the kernel launch's dynamic shared memory, from Mosaic GPU's MLIR dump),
+    "registers" and "spill_bytes" per thread (ptxas's log: MOSAIC_GPU_DUMP_PTXAS). Mosaic GPU
+    dumps a kernel only when it compiles it, once per process, so the report runs in a fresh one;
+  * both: "program_memory" (XLA's memory analysis) and "minimum_bytes": what the kernel must
+    move at least, every needed byte read once and the output written once (sparse attention:
+    indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
+    first halves, cos, sin, the norm weight and the output).
+Usage: python -m pallas_kernels.report [--targets v5p-8,v6e-8,h100x1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+from dsv4_jax import aot  # first: it lets JAX's CUDA plugin register without a GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from . import compress, sparse_attention  # noqa: E402
+
+TARGETS = ("v5p-8", "v6e-8", "h100x1")
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+# DeepSeek-V4-Flash: 64 heads of 512, window 128, top-k 512 (K = 640), index heads of 128, rope 64.
+H, D, WINDOW, TOPK, D_INDEX, ROPE = 64, 512, 128, 512, 128, 64
+PREFILL = 512  # tokens per prefill chunk (the compressors); the attention's prefill is 16 tokens
+ATTN_PREFILL, POOL = 16, 1024  # 1024 compressed entries: a 4096-token context
+
+
+def _attention_case(t: int) -> dict:
+    """Flash sparse attention over [ring | chunk | compressed rows]: decode reads the K selected
+    compressed rows (N = 128 + 1 + 512), prefill the chunk's pool (N = 128 + 16 + 1024)."""
+    k = WINDOW + TOPK
+    n = WINDOW + t + (TOPK if t == 1 else POOL)
+    args = (S((1, t, H, D), BF16), S((1, n, D), BF16), S((1, t, k), jnp.int32), S((H,), F32))
+    rows = min(t * k, n)  # every needed row once (all K indices valid, distinct within a token)
+    minimum = t * k * 4 + rows * D * 2 + 2 * t * H * D * 2
+    shapes = {"B": 1, "T": t, "H": H, "D": D, "K": k, "N": n, "dtype": "bfloat16"}
+    return {"fn": lambda *x: sparse_attention(*x, scale=D ** -0.5, impl="pallas"), "args": args,
+            "shapes": shapes, "minimum_bytes": minimum}
+
+
+def _compress_case(ratio: int, d: int, n: int) -> dict:
+    """A compressor at Flash shapes: fp32 a and z (as the model's state), bf16 output; ratio 4
+    with the previous block (its first halves are read)."""
+    c = 2 * d if ratio == 4 else d
+    prev = ratio == 4
+    args = [S((1, n * ratio, c), F32), S((1, n * ratio, c), F32), S((d,), F32), S((1, n, ROPE // 2), F32),
+            S((1, n, ROPE // 2), F32)] + ([S((1, ratio, c), F32)] * 2 if prev else [])
+
+    def fn(a, z, w, cos, sin, pa=None, pz=None):
+        return compress(a, z, w, cos, sin, ratio=ratio, eps=1e-6, prev_a=pa, prev_z=pz, out_dtype=BF16,
+                        impl="pallas")
+
+    minimum = (2 * n * ratio * c * 4 + (2 * ratio * d * 4 if prev else 0) + 2 * n * (ROPE // 2) * 4 + d * 4
+               + n * d * 2)
+    shapes = {"B": 1, "n": n, "ratio": ratio, "d": d, "C": c, "prev": prev, "in": "float32", "out": "bfloat16"}
+    return {"fn": fn, "args": args, "shapes": shapes, "minimum_bytes": minimum}
+
+
+CASES = {
+    "sparse_attention/flash-decode": lambda: _attention_case(1),
+    "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
+    "compress/csa-decode": lambda: _compress_case(4, D, 1),
+    "compress/csa-prefill": lambda: _compress_case(4, D, PREFILL // 4),
+    "compress/indexer-decode": lambda: _compress_case(4, D_INDEX, 1),
+    "compress/indexer-prefill": lambda: _compress_case(4, D_INDEX, PREFILL // 4),
+    "compress/hca-decode": lambda: _compress_case(128, D, 1),
+    "compress/hca-prefill": lambda: _compress_case(128, D, PREFILL // 128),
+}
+
+
+def _tpu_facts(compiled) -> dict:
+    """The Mosaic custom call's scoped VMEM and declared cost, from the compiled HLO."""
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        vmem = sum(int(size) for space, size in
+                   re.findall(r'\{"memory_space":"(\d+)","offset":"\d+","size":"(\d+)"\}',
+                              line.split('"used_scoped_memory_configs"', 1)[1])
+                   if space == "1")
+        declared = json.loads(re.search(r'"cost_estimate":(\{[^}]*\})', line).group(1))
+        return {"vmem_bytes": vmem, "declared_cost": {"flops": int(declared["flops"]),
+                                                      "bytes_accessed": int(declared["bytes_accessed"])}}
+    raise RuntimeError("no tpu_custom_call in the compiled program")
+
+
+def _gpu_facts(dump_dir: str) -> dict:
+    """SMEM, registers and spills of the one Mosaic GPU kernel whose dumps are in dump_dir."""
+    logs = [f for f in os.listdir(dump_dir) if f.endswith(".ptxas")]
+    passes = [f for f in os.listdir(dump_dir) if f.endswith(".mlir-passes.log")]
+    if not logs and not passes:
+        raise RuntimeError("Mosaic GPU wrote no dump: it compiled this kernel earlier in this process and "
+                           "reused it (a cache that cannot be cleared); run the report in a fresh process")
+    if len(logs) != 1 or len(passes) != 1:
+        raise RuntimeError(f"expected one kernel's ptxas log and MLIR dump in {dump_dir}, found {sorted(os.listdir(dump_dir))}")
+    log = open(os.path.join(dump_dir, logs[0])).read()
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    mlir = open(os.path.join(dump_dir, passes[0])).read()
+    smem = re.findall(r"dynamic_shared_memory_size %c(\d+)_i32", mlir)
+    return {"smem_bytes": int(smem[-1]) if smem else 0, "registers": int(regs.group(1)),
+            "spill_bytes": {"stores": int(spills.group(1)), "loads": int(spills.group(2))},
+            "arch": re.search(r"for '(sm_\w+)'", log).group(1)}
+
+
+def report(targets=TARGETS) -> list[dict]:
+    records = []
+    for target in targets:
+        platform = aot.target(target).platform
+        for name, make in CASES.items():
+            case = make()
+            with tempfile.TemporaryDirectory() as dump:
+                if platform == "cuda":  # read by Mosaic GPU when it compiles
+                    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+                try:
+                    result = aot.compile_for(target, jax.jit(case["fn"]), *case["args"])
+                finally:
+                    for var in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO"):
+                        os.environ.pop(var, None)
+                kernels = aot.mosaic_kernels(result.compiled, platform)
+                if len(kernels) != 1:
+                    raise RuntimeError(f"{target} {name}: expected one Mosaic kernel, found {kernels}")
+                record = {"target": target, "case": name, "kernel": kernels[0], "shapes": case["shapes"],
+                          "minimum_bytes": case["minimum_bytes"], "program_memory": result.memory}
+                if platform == "tpu":
+                    record.update(_tpu_facts(result.compiled))
+                    record["xla_cost"] = {"flops": result.cost["flops"],
+                                          "bytes_accessed": result.cost["bytes accessed"]}
+                else:
+                    record.update(_gpu_facts(dump))
+            records.append(record)
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.report", description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated compile targets")
+    args = parser.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = [t for t in targets if t not in aot.TARGETS]
+    if unknown or not targets:  # before any compile
+        parser.error(f"unknown compile targets {unknown}; known: {', '.join(aot.TARGETS)}")
+    json.dump(report(targets), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The Pallas kernels compiled ahead of time by the real compilers (libtpu's Mosaic for TPU v5p and
+v6e; XLA's CUDA plugin, Mosaic GPU and ptxas for an H100), from abstract inputs, on this CPU
+machine (dsv4_jax.aot; the `aot` extra). Each compile must succeed, and the compiled program must
+hold the Mosaic kernel: a tpu_custom_call / Mosaic GPU custom call with the kernel's name, so a
+silent fallback to the plain-JAX reference fails. A missing compiler fails too (no skips).
+
+The shapes are a covering set of the issue's list, not its full product: Flash (H 64, K = 128 +
+512) and Pro (H 128, K = 128 + 1024), decode (T 1), prefill (T 16, and 13 and 5: not multiples of
+8), bf16 and fp32, D 512, 384 and 128, H 8 to 128, K from 1 to 1152, kv row counts odd and even;
+the compressor at both ratios, with and without the previous block, one and several tiles, d 512
+and 128, bf16 and fp32 in and out. Every case runs on every target.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv4_jax import aot
+from pallas_kernels import compress, sparse_attention
+
+TARGETS = ["v5p-8", "v6e-8", "h100x1"]
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# (H, D, T, K, N, dtype): q [1, T, H, D], kv [1, N, D], indices [1, T, K]. N: the window ring (128),
+# the chunk (T) and the compressed rows (decode: the K - 128 selected ones).
+ATTENTION = {
+    "flash-decode-bf16": (64, 512, 1, 640, 128 + 1 + 512, BF16),  # N odd: kv padded to whole word rows
+    "flash-prefill16-bf16": (64, 512, 16, 640, 128 + 16 + 4, BF16),
+    "flash-prefill16-fp32": (64, 512, 16, 640, 128 + 16 + 4, F32),
+    "pro-decode-fp32": (128, 512, 1, 1152, 128 + 1 + 1024, F32),
+    "pro-prefill13-bf16": (128, 512, 13, 1152, 128 + 13 + 3, BF16),
+    "d128-decode-k1-fp32": (64, 128, 1, 1, 2, F32),
+    "d128-prefill5-k129-bf16": (64, 128, 5, 129, 200, BF16),
+    # Mosaic GPU's head groups of 64: H 8 padded to one group; H 96 to two, D 384 in 128-wide TMA boxes.
+    "h8-prefill2-bf16": (8, 512, 2, 200, 300, BF16),
+    "h96-d384-prefill2-bf16": (96, 384, 2, 200, 300, BF16),
+}
+
+# (ratio, d, n, prev, input dtype, output dtype): a, z [1, n * ratio, C], C = 2d (ratio 4) or d.
+COMPRESS = {
+    "csa-decode": (4, 512, 1, True, F32, BF16),
+    "indexer-decode": (4, 128, 1, True, F32, BF16),
+    "csa-prefill-3tiles": (4, 512, 300, True, F32, F32),  # TN 128: two full tiles and a partial one
+    "indexer-prefill-noprev-bf16": (4, 128, 4, False, BF16, BF16),
+    "hca-decode": (128, 512, 1, False, F32, BF16),
+    "hca-prefill-2tiles-prev": (128, 512, 20, True, F32, F32),  # TN 16; prev is ignored at ratio 128
+    "hca-d128-bf16": (128, 128, 3, False, BF16, F32),
+}
+
+
+def _compiled_kernels(target, fn, *args):
+    result = aot.compile_for(target, jax.jit(fn), *args)
+    return aot.mosaic_kernels(result.compiled, aot.target(target).platform)
+
+
+@pytest.mark.parametrize("case", list(ATTENTION))
+@pytest.mark.parametrize("target", TARGETS)
+def test_sparse_attention_compiles(target, case):
+    h, d, t, k, n, dtype = ATTENTION[case]
+    args = (S((1, t, h, d), dtype), S((1, n, d), dtype), S((1, t, k), jnp.int32), S((h,), F32))
+    kernels = _compiled_kernels(target, lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas"), *args)
+    assert kernels == ["dsv4_sparse_attention"]
+
+
+@pytest.mark.parametrize("case", list(COMPRESS))
+@pytest.mark.parametrize("target", TARGETS)
+def test_compress_compiles(target, case):
+    ratio, d, n, prev, dtype, out_dtype = COMPRESS[case]
+    c = 2 * d if ratio == 4 else d
+    args = [S((1, n * ratio, c), dtype), S((1, n * ratio, c), dtype), S((d,), BF16), S((1, n, 32), F32),
+            S((1, n, 32), F32)]
+    if prev:
+        args += [S((1, ratio, c), dtype)] * 2
+
+    def fn(a, z, w, cos, sin, pa=None, pz=None):
+        return compress(a, z, w, cos, sin, ratio=ratio, eps=1e-6, prev_a=pa, prev_z=pz, out_dtype=out_dtype,
+                        impl="pallas")
+
+    assert _compiled_kernels(target, fn, *args) == ["dsv4_compress"]
