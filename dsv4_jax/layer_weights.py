@@ -118,8 +118,10 @@ def _split(stacked: list, lead: tuple[int, ...]) -> list:
 def unstack_layers(params: dict) -> dict:
     """params with the large leaves of the layer stacks (`STACKS`) split into PerLayer leaves,
     and the routed experts into PerExpert leaves (see MAX_EXPERT_BUFFERS), when running on CPU
-    (every other leaf is the same array); unchanged elsewhere."""
-    if jax.default_backend() != "cpu":
+    (every other leaf is the same array); unchanged elsewhere, and on a device mesh (where the
+    experts are split over devices)."""
+    on_many = any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(params) if isinstance(x, jax.Array))
+    if jax.default_backend() != "cpu" or on_many:
         return params
 
     def lead(path, x) -> int:

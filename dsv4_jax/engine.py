@@ -1,0 +1,343 @@
+"""The serving engine: continuous batching over a fixed set of cache slots.
+
+Requests (token ids, sampling parameters, stop conditions, a seed) wait in a queue, are admitted
+to free slots, prefilled in chunks interleaved with the decode steps of the running slots, stream
+their tokens as they come, and free their slot at a stop token, their token limit, the slot's
+length or a cancel. Each slot is a row of one cache with its own position (dsv4_jax/cache.py), so
+rows at any positions decode together in one program, and a row can be reset and prefilled into
+while the others hold their state.
+
+One engine step (`Engine.step`):
+1. admits waiting requests into free slots (first come, first served);
+2. prefills: requests still prefilling get a chunk each of up to `prefill_chunk` tokens, oldest
+   first, while the step's tokens stay within `max_tokens_per_step` (one chunk always goes, so
+   prefill is never starved); their rows run as one sub-batch of the cache (`take_rows` /
+   `put_rows`); a request whose prompt completes samples its first token;
+3. decodes: every slot holding a generating request advances one token (one program over all
+   slots; the others hold).
+A long prompt therefore costs its neighbours one chunk's time per step, not its whole prefill.
+
+Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
+pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
+`warmup()` nothing compiles, whatever the requests. A prompt is cut at multiples of
+prefill_chunk, as `generate` cuts it, so a request's greedy tokens are those `generate` gives
+for its prompt alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import sampling
+from .cache import init_cache, put_rows, reset_rows, take_rows
+from .layer_weights import unstack_layers
+from .model import Model, step
+
+MIN_CHUNK = 16
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` requests already."""
+
+
+@dataclasses.dataclass
+class Request:
+    """A request and what became of it. Timestamps are `time.monotonic()` seconds."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    on_token: Callable[["Request", int | None], None] | None = None  # (request, token or None at the end)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    arrival: float = 0.0
+    admitted: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def chunk_bucket(n: int, largest: int) -> int:
+    """The compiled chunk length for n tokens: a power of two from MIN_CHUNK up to `largest`."""
+    return min(max(MIN_CHUNK, 1 << (n - 1).bit_length()), largest)
+
+
+class Engine:
+    """Continuous batching over `slots` cache rows of `max_len` tokens each (see the module doc).
+
+    `submit` queues a request (thread-safe) and returns it; tokens arrive through its `on_token`
+    callback (called from the thread running `step`) and in `request.tokens`. `run_forever` /
+    `start` drive `step` in a loop; tests call `step` directly."""
+
+    def __init__(self, model: Model, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
+                 max_tokens_per_step: int | None = None, max_queue: int = 1024):
+        cfg = model.config
+        if slots < 1 or max_len < 2 or prefill_chunk < MIN_CHUNK or max_queue < 1:
+            raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_CHUNK} and max_queue >= 1 are "
+                             f"needed, got {slots}, {max_len}, {prefill_chunk}, {max_queue}")
+        if prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        self.model, self.cfg = model, cfg
+        self.params = unstack_layers(model.params)  # CPU: per-layer weight buffers (layer_weights.py)
+        self.slots, self.max_len, self.prefill_chunk = model.batch_rows(slots), max_len, prefill_chunk
+        self.max_tokens_per_step = max_tokens_per_step or prefill_chunk + self.slots
+        if self.max_tokens_per_step < prefill_chunk:
+            raise ValueError(f"max_tokens_per_step ({self.max_tokens_per_step}) must hold a prefill chunk "
+                             f"({prefill_chunk})")
+        self.max_queue = max_queue
+        with model.on_mesh():
+            self.cache = _put_cache(model, init_cache(cfg, self.slots, max_len, model.dtype))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free = list(range(self.slots))
+        self.next_token = np.zeros((self.slots,), np.int32)  # each generating slot's last token
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.ids = itertools.count()
+        self.counters = collections.Counter()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def validate(self, prompt, max_tokens: int) -> None:
+        """Raises ValueError for a request this engine cannot serve (OpenAI's wording)."""
+        V = self.cfg.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {V})")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, your request "
+                             f"has {len(prompt)} input tokens. Please reduce the length of the input.")
+        if max_tokens < 1 or len(prompt) + max_tokens > self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you requested "
+                             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
+                             f"completion). Please reduce the length of the messages or completion.")
+
+    def submit(self, prompt, max_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0, stop_token_ids=(), on_token=None) -> Request:
+        """Queues a request; ValueError if it cannot be served, QueueFull if the queue is full."""
+        prompt = [int(t) for t in prompt]
+        self.validate(prompt, max_tokens)
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue holds {self.max_queue})")
+            req = Request(next(self.ids), prompt, int(max_tokens), float(temperature), int(top_k), float(top_p),
+                          int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic())
+            self.waiting.append(req)
+            self.counters["requests"] += 1
+            self.wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ends the request at the next step (its slot is freed); a no-op once it is done."""
+        with self.lock:
+            req.cancelled = True
+            self.wake.notify()
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One engine step (see the module doc); returns whether there was anything to do."""
+        with self.lock:
+            self._drop_cancelled()
+            while self.waiting and self.free:
+                req = self.waiting.popleft()
+                req.slot, req.admitted = self.free.pop(0), time.monotonic()
+                self.running[req.slot] = req
+        prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.prompt)), key=lambda r: r.id)
+        generating = [r for r in self.running.values() if r.prefilled == len(r.prompt)]
+        budget = self.max_tokens_per_step - len(generating)
+        chosen = []
+        for r in prefilling:
+            n = min(self.prefill_chunk, len(r.prompt) - r.prefilled)
+            if chosen and n > budget:
+                break
+            chosen.append((r, n))
+            budget -= n
+        if chosen:
+            self._prefill(chosen)
+        if generating:
+            self._decode(generating)
+        return bool(chosen or generating)
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled")
+        for req in [r for r in self.running.values() if r.cancelled]:
+            self._finish(req, "cancelled")
+
+    @staticmethod
+    def _sampling(reqs: dict[int, Request], rows: int) -> tuple:
+        """Per-row sampling parameters and draw keys `[rows]` for the requests at those rows
+        (the other rows greedy)."""
+        t, k, p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        seeds, drawn = np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+        for i, r in reqs.items():
+            t[i], k[i], p[i] = r.temperature, r.top_k, r.top_p
+            seeds[i], drawn[i] = r.seed & 0xFFFFFFFF, len(r.tokens)
+        return t, k, p, seeds, drawn
+
+    def _prefill(self, chosen: list[tuple[Request, int]]) -> None:
+        R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
+        T = chunk_bucket(max(n for _, n in chosen), self.prefill_chunk)
+        reqs = [r for r, _ in chosen]
+        used = {r.slot for r in reqs}
+        fillers = [s for s in range(self.slots) if s not in used][: R - len(reqs)]  # held rows (n_valid 0)
+        rows = np.array([r.slot for r in reqs] + fillers, np.int32)
+        ids, n_valid, fresh = np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool)
+        for i, (r, n) in enumerate(chosen):
+            ids[i, :n] = r.prompt[r.prefilled: r.prefilled + n]
+            n_valid[i], fresh[i] = n, r.prefilled == 0
+        with self.model.on_mesh():
+            tokens, self.cache = _prefill_rows(self.params, self.cache, rows, ids, n_valid, fresh,
+                                               *self._sampling(dict(enumerate(reqs)), R), self.cfg)
+        tokens = np.asarray(tokens)
+        self.counters["prompt_tokens"] += int(n_valid.sum())
+        for i, (r, n) in enumerate(chosen):
+            r.prefilled += n
+            if r.prefilled == len(r.prompt):
+                self._emit(r, int(tokens[i]))
+
+    def _decode(self, generating: list[Request]) -> None:
+        active = np.zeros(self.slots, bool)
+        active[[r.slot for r in generating]] = True
+        with self.model.on_mesh():
+            tokens, self.cache = _decode_slots(self.params, self.cache, self.next_token.copy(), active,
+                                               *self._sampling({r.slot: r for r in generating}, self.slots), self.cfg)
+        tokens = np.asarray(tokens)
+        for r in generating:
+            self._emit(r, int(tokens[r.slot]))
+
+    def _emit(self, req: Request, token: int) -> None:
+        """Hands a generated token to its request and ends the request where it stops."""
+        req.tokens.append(token)
+        req.token_times.append(time.monotonic())
+        self.next_token[req.slot] = token
+        self.counters["generation_tokens"] += 1
+        if req.on_token is not None:
+            req.on_token(req, token)
+        if token in req.stop_token_ids:
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self.free.append(req.slot)
+            self.free.sort()
+        self.counters[f"finished_{reason}"] += 1
+        if req.on_token is not None:
+            req.on_token(req, None)
+
+    # ---- driving it ---------------------------------------------------------------------------
+
+    def run_until_idle(self) -> None:
+        """Steps until no request is waiting or running."""
+        while self.step() or self.waiting:
+            pass
+
+    def start(self) -> None:
+        """Runs `step` in a background thread until `stop`."""
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            self.wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and not self.waiting and not self.running:
+                    self.wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def warmup(self) -> int:
+        """Compiles every program the engine can run (the decode step, and the prefill for every
+        rows x chunk bucket); returns how many it compiled."""
+        rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
+        chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
+        n = 0
+        with self.model.on_mesh():
+            args = (np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)) + self._sampling({}, self.slots)
+            _decode_slots.lower(self.params, self.cache, *args, self.cfg).compile()
+            n += 1
+            for R in rows:
+                for T in chunks:
+                    args = (np.arange(R, dtype=np.int32), np.zeros((R, T), np.int32), np.zeros(R, np.int32),
+                            np.zeros(R, bool)) + self._sampling({}, R)
+                    _prefill_rows.lower(self.params, self.cache, *args, self.cfg).compile()
+                    n += 1
+        return n
+
+    def stats(self) -> dict:
+        """Requests running / waiting, slots in use, the cache's use (tokens held over capacity)
+        and the token and request counters."""
+        with self.lock:
+            held = sum(len(r.prompt[: r.prefilled]) + len(r.tokens) for r in self.running.values())
+            return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.slots,
+                    "slots_used": len(self.running), "cache_usage": held / (self.slots * self.max_len),
+                    **self.counters}
+
+
+def _put_cache(model: Model, cache: dict) -> dict:
+    """The cache on the model's devices (rows split over the mesh's batch axes)."""
+    if model.mesh is None:
+        return cache
+    from .sharding import cache_shardings
+
+    return jax.device_put(cache, cache_shardings(cache, model.mesh, model.config.layout))
+
+
+@partial(jax.jit, static_argnums=(11,), donate_argnums=(1,))
+def _prefill_rows(params, cache, rows, ids, n_valid, fresh, temperature, top_k, top_p, seeds, drawn, cfg):
+    """A chunk ids `[R, T]` into the cache rows `rows` `[R]` (n_valid tokens each; `fresh` rows
+    reset first), as one sub-batch; returns (each row's token sampled after its chunk `[R]`, the
+    cache)."""
+    sub = reset_rows(take_rows(cache, rows), fresh)
+    logits, sub = step(params, sub, ids, cfg, True, n_valid=n_valid)
+    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
+    return tokens, put_rows(cache, rows, sub)
+
+
+@partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
+def _decode_slots(params, cache, tokens, active, temperature, top_k, top_p, seeds, drawn, cfg):
+    """One token `tokens` `[S]` into every `active` slot (the others hold); returns (the next
+    token of each slot `[S]`, the cache)."""
+    logits, cache = step(params, cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
+    return sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p), cache

@@ -1,0 +1,153 @@
+"""The serving engine: continuous batching over cache slots (dsv4_jax/engine.py).
+
+A request's greedy tokens must be those `generate` gives for its prompt alone, whatever else runs
+beside it: same program math in another grouping (fp32; observed logit differences about 1e-6),
+so the argmax agrees. The engine cuts prompts at multiples of its prefill chunk as generate does
+(both at 32 here).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import dsv4_jax
+import hf_oracle as H
+from dsv4_jax import generate as generate_module
+from dsv4_jax.engine import Engine, QueueFull
+
+SLOTS, CHUNK, MAX_LEN = 4, 32, 384
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)  # window 8, ratios 4 and 128
+    return dsv4_jax.Model(dsv4_jax.init_params(cfg, seed=2, std=0.1), cfg)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
+    assert eng.warmup() == 1 + 3 * 2  # decode, and prefill for rows 1 / 2 / 4 x chunks 16 / 32
+    return eng
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """generate on one prompt alone, prefilling in the engine's chunks."""
+    cache = {}
+
+    def run(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in cache:
+            mp = pytest.MonkeyPatch()
+            mp.setattr(generate_module, "PREFILL_CHUNK", CHUNK)
+            try:
+                cache[key] = dsv4_jax.generate(model, [prompt], n).rows()[0]
+            finally:
+                mp.undo()
+        return cache[key]
+
+    return run
+
+
+class _Compiles:
+    """Counts XLA compilations (every backend compile jax reports) while active."""
+
+    def __init__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+
+COMPILES = _Compiles()
+
+
+def test_continuous_batching_matches_generate(engine, alone, model):
+    """36 requests of 1 to 300 prompt tokens and 1 to 40 new ones (window 8, ratio-4 and ratio-128
+    boundaries crossed in prompts and in decoding), arriving a few at a time while others decode
+    (4 slots, so most wait, and long prompts prefill in chunks beside decoding slots): each
+    request's tokens equal generate on its prompt alone, and nothing compiles after warm-up."""
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    specs = [(int(rng.choice([1, 3, 9, 40, 131, 260, 300])), int(rng.integers(1, 41))) for _ in range(36)]
+    before = COMPILES.n
+    reqs, arrivals = [], list(range(36))
+    while arrivals or engine.running or engine.waiting:
+        for _ in range(int(rng.integers(0, 4))):
+            if arrivals:
+                n, m = specs[arrivals.pop(0)]
+                reqs.append(engine.submit(list(map(int, rng.integers(0, V, n))), m))
+        engine.step()
+    assert COMPILES.n == before, "the engine compiled after warm-up"
+    assert engine.counters["finished_length"] >= 36 and not engine.running and len(engine.free) == SLOTS
+    for r in reqs:
+        assert r.finish_reason == "length" and len(r.tokens) == r.max_tokens
+        assert r.tokens == alone(r.prompt, r.max_tokens), f"prompt of {len(r.prompt)} tokens"
+
+
+def test_reused_slot_equals_a_fresh_cache(engine, alone, model):
+    """A slot that just held a 300-token request gives a short request what a fresh cache gives."""
+    rng = np.random.default_rng(1)
+    V = model.config.vocab_size
+    long = [engine.submit(list(map(int, rng.integers(0, V, 300))), 12) for _ in range(SLOTS)]
+    engine.run_until_idle()
+    short = list(map(int, rng.integers(0, V, 5)))
+    r = engine.submit(short, 20)
+    engine.run_until_idle()
+    assert {x.slot for x in long} == set(range(SLOTS)) and r.tokens == alone(short, 20)
+
+
+def test_stop_tokens_cancel_and_streaming(engine, model):
+    rng = np.random.default_rng(2)
+    V = model.config.vocab_size
+    prompt = list(map(int, rng.integers(0, V, 20)))
+    free = engine.submit(prompt, 16)
+    engine.run_until_idle()
+    stop = free.tokens[5]
+    seen = []
+    r = engine.submit(prompt, 16, stop_token_ids=[stop], on_token=lambda req, t: seen.append(t))
+    c = engine.submit(prompt, 16)
+    engine.step()
+    engine.cancel(c)
+    engine.run_until_idle()
+    first = free.tokens.index(stop)
+    assert r.finish_reason == "stop" and r.tokens == free.tokens[: first + 1]
+    assert seen == r.tokens + [None]  # each token as it came, then the end
+    assert c.finish_reason == "cancelled" and len(c.tokens) < 16 and len(engine.free) == SLOTS
+
+
+def test_sampling_is_per_request(engine, model):
+    """A sampled request's tokens depend on its seed only, not on what runs beside it."""
+    rng = np.random.default_rng(3)
+    V = model.config.vocab_size
+    prompt = list(map(int, rng.integers(0, V, 12)))
+    kw = dict(temperature=1.0, top_k=20, top_p=0.9)
+    a = engine.submit(prompt, 16, seed=7, **kw)
+    engine.run_until_idle()
+    others = [engine.submit(list(map(int, rng.integers(0, V, 30))), 10, seed=s, **kw) for s in range(2)]
+    b = engine.submit(prompt, 16, seed=7, **kw)
+    c = engine.submit(prompt, 16, seed=8, **kw)
+    engine.run_until_idle()
+    assert a.tokens == b.tokens and a.tokens != c.tokens and all(len(o.tokens) == 10 for o in others)
+
+
+def test_bad_requests_and_a_full_queue(model):
+    eng = Engine(model, slots=2, max_len=64, prefill_chunk=16, max_queue=2)
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, your request has 64 input"):
+        eng.submit([1] * 64, 1)
+    with pytest.raises(ValueError, match="you requested 70 tokens"):
+        eng.submit([1] * 10, 60)
+    with pytest.raises(ValueError, match=f"token id {V} is outside the vocabulary"):
+        eng.submit([1, V], 4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.submit([], 4)
+    eng.submit([1, 2], 4)
+    eng.submit([1, 2], 4)
+    with pytest.raises(QueueFull):
+        eng.submit([1, 2], 4)
+    with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
+        Engine(model, slots=2, max_len=64, prefill_chunk=24)
