@@ -1,0 +1,200 @@
+"""The README against the package: its Python code runs, every API it names exists under that
+name (and takes the arguments it shows), every repository path it names exists, and every
+command-line flag it shows is one the command accepts."""
+
+import ast
+import importlib
+import inspect
+import os
+import re
+import runpy
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+
+import dsv4_jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
+PACKAGES = ("dsv4_jax", "pallas_kernels", "convert")
+
+
+def _blocks() -> list[tuple[str, str]]:
+    """(language, code) of every fenced block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
+
+
+def _spans() -> list[str]:
+    """Inline code spans of the prose (fenced blocks removed; a span may wrap a line)."""
+    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+    return [" ".join(m.split()) for m in re.findall(r"`([^`]+)`", prose)]
+
+
+def _resolve(dotted: str):
+    """The module or attribute `a.b.c` names: the longest importable module prefix, then
+    attributes."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        for p in parts[n:]:
+            obj = getattr(obj, p)
+        return obj
+    raise ImportError(dotted)
+
+
+def _is_file_name(name: str) -> bool:  # `convert.py`, `config.json`: files, not APIs
+    return re.search(r"\.(py|json|md|txt|safetensors)$", name) is not None
+
+
+def _placeholders(call: ast.Call):
+    return [None] * len(call.args), {k.arg: None for k in call.keywords if k.arg}
+
+
+def _dsv4_calls(tree) -> list[tuple[str, ast.Call]]:
+    return [(n.func.attr, n) for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "dsv4_jax"]
+
+
+def test_python_blocks_call_the_package_as_shown():
+    blocks = [code for lang, code in _blocks() if lang == "python"]
+    assert blocks
+    for code in blocks:
+        calls = _dsv4_calls(ast.parse(code))
+        assert calls
+        for name, call in calls:
+            args, kwargs = _placeholders(call)
+            inspect.signature(getattr(dsv4_jax, name)).bind(*args, **kwargs)
+
+
+def test_python_blocks_run(tmp_path):
+    """The Use block, run as written on a tiny checkpoint (its path and `input_ids` filled in)."""
+    from convert.export_hf import write_hf_checkpoint
+    from hf_oracle import TINY
+
+    cfg = dsv4_jax.ModelConfig.from_hf(TINY)
+    write_hf_checkpoint(dsv4_jax.init_params(cfg, seed=0, std=0.1), cfg, str(tmp_path))
+    for lang, code in _blocks():
+        if lang != "python":
+            continue
+        code = code.replace('"path/to/checkpoint"', repr(str(tmp_path)))
+        scope = {"input_ids": np.array([[1, 2, 3, 4]], np.int32)}
+        exec(compile(code, "README.md", "exec"), scope)
+        if "out" in scope:
+            assert scope["out"].rows() and len(scope["out"].rows()) == 2
+
+
+def test_named_apis_exist():
+    """`dsv4_jax.x.y` (and `pallas_kernels.` / `convert.`) anywhere in the README; `mod.name` spans
+    whose first part is a dsv4_jax module or export; `name(args)` spans naming a dsv4_jax export,
+    bound to its signature unless written `name(...)`."""
+    names = {n for n in re.findall(r"\b((?:%s)(?:\.\w+)+)(?![\w/])" % "|".join(PACKAGES), README)
+             if not _is_file_name(n)}
+    assert {"dsv4_jax.index_cache_schedule", "dsv4_jax.loading.load_mtp"} <= names
+    for dotted in sorted(names):
+        _resolve(dotted)  # raises if missing
+    checked_calls = set()
+    for span in _spans():
+        m = re.fullmatch(r"(\w+)\.(\w+)(?:\(.*\))?", span)
+        if m and not _is_file_name(span):
+            first, attr = m.groups()
+            if hasattr(dsv4_jax, first):
+                assert hasattr(getattr(dsv4_jax, first), attr), span
+            elif importlib.util.find_spec(f"dsv4_jax.{first}") is not None:
+                assert hasattr(importlib.import_module(f"dsv4_jax.{first}"), attr), span
+        m = re.fullmatch(r"(\w+)\(([^()]*)\)", span)
+        if m:
+            name, args = m.groups()
+            assert hasattr(dsv4_jax, name), f"README names {span!r}, dsv4_jax has no {name!r}"
+            if args != "...":
+                call = ast.parse(span, mode="eval").body
+                inspect.signature(getattr(dsv4_jax, name)).bind(*_placeholders(call)[0], **_placeholders(call)[1])
+            checked_calls.add(name)
+    assert {"step", "cache_bytes"} <= checked_calls
+
+
+def test_named_paths_exist():
+    paths = {s for s in _spans() if re.fullmatch(r"(dsv4_jax|convert|pallas_kernels|tests|examples)/[\w./]*", s)}
+    assert "dsv4_jax/layer_weights.py" in paths
+    for p in sorted(paths):
+        assert os.path.exists(os.path.join(ROOT, p.split("::")[0])), p
+    for s in _spans():
+        m = re.fullmatch(r"(tests/\w+\.py)::(\w+)", s)
+        if m:
+            assert f"def {m.group(2)}(" in open(os.path.join(ROOT, m.group(1))).read(), s
+
+
+# ---- command-line flags ---------------------------------------------------------------------------
+
+SCRIPTS = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
+PROGRAMS = {  # how the README starts a command -> how to run it
+    "dsv4-generate": ("script", "dsv4-generate"), "dsv4-convert": ("script", "dsv4-convert"),
+    "dsv4-bench": ("script", "dsv4-bench"),
+    "python -m dsv4_jax.bench": ("module", "dsv4_jax.bench"),
+    "python -m dsv4_jax.index_cache_report": ("module", "dsv4_jax.index_cache_report"),
+    "python -m convert.stress": ("module", "convert.stress"),
+    "python -m convert": ("module", "convert"),
+    "python examples/demo.py": ("path", "examples/demo.py"),
+    "python examples/compile_time.py": ("path", "examples/compile_time.py"),
+}
+FLAG = r"--[a-z][a-z0-9-]*"
+
+
+def _help(kind: str, target: str, monkeypatch, capsys) -> str:
+    monkeypatch.setattr(sys, "argv", [target, "--help"])
+    with pytest.raises(SystemExit) as e:
+        if kind == "script":
+            module, fn = SCRIPTS[target].split(":")
+            getattr(importlib.import_module(module), fn)(["--help"])
+        elif kind == "module" and hasattr(importlib.import_module(target), "main"):
+            importlib.import_module(target).main(["--help"])
+        elif kind == "module":  # a package's __main__
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(os.path.join(ROOT, target), run_name="__main__")
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def _commands() -> list[str]:
+    """Commands in fenced blocks (a line starting with blanks continues the one before; `&&`
+    separates commands) and in code spans."""
+    out = []
+    for lang, code in _blocks():
+        if lang in ("bash", ""):
+            lines = []
+            for line in code.splitlines():
+                if line[:1].isspace() and lines:
+                    lines[-1] += " " + line.strip()
+                else:
+                    lines.append(line.strip())
+            out += [c.strip() for line in lines for c in line.split("&&")]
+    return out + _spans()
+
+
+def _program(command: str) -> str | None:
+    command = re.sub(r"^(\S*/)?python3? ", "python ", command)
+    for prog in sorted(PROGRAMS, key=len, reverse=True):
+        if command == prog or command.startswith(prog + " "):
+            return prog
+    return None
+
+
+def test_flags_exist(monkeypatch, capsys):
+    helps = {prog: set(re.findall(FLAG, _help(*how, monkeypatch, capsys))) for prog, how in PROGRAMS.items()}
+    every = set().union(*helps.values())
+    assert "--compile-cache" in helps["dsv4-generate"] and "--out" in helps["dsv4-bench"]
+    seen = set()
+    for command in _commands():
+        prog = _program(command)
+        for flag in re.findall(FLAG, command):
+            wildcard = command.endswith(flag + "*")
+            have = helps[prog] if prog else every
+            assert any(h.startswith(flag) for h in have) if wildcard else flag in have, (
+                f"README: {command!r} shows {flag}, which {prog or 'no CLI'} does not accept")
+            seen.add(flag)
+    assert {"--compile-cache", "--ids", "--eos", "--no-eos", "--pattern"} <= seen
