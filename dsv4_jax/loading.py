@@ -19,17 +19,19 @@ PARAMS_DIR = "params"
 MTP_DIR = "mtp"
 
 
+def _converted_config(path: str) -> bool:
+    """Whether `path`/config.json is one `dsv4-convert` wrote."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "dsv4_jax" in json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
 def is_converted(path: str | os.PathLike) -> bool:
     """Whether `path` is a directory written by `dsv4-convert`."""
     path = os.fspath(path)
-    cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(os.path.join(path, PARAMS_DIR)) and os.path.isfile(cfg)):
-        return False
-    try:
-        with open(cfg) as f:
-            return "dsv4_jax" in json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return False
+    return os.path.isdir(os.path.join(path, PARAMS_DIR)) and _converted_config(path)
 
 
 def load(path: str | os.PathLike, dtype=jnp.float32,
@@ -57,6 +59,9 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     cfg = with_options(ModelConfig.from_hf(path), **options)
     if is_converted(path):
         return Model(params=_restore(path, cfg, dtype, sharding), config=cfg)
+    if _converted_config(path):
+        raise _damaged(f"{os.path.join(path, PARAMS_DIR)} is missing: {path} is an incomplete dsv4-convert output; "
+                       f"convert it again")
     from convert import read_hf_checkpoint
 
     params, _mtp = read_hf_checkpoint(path, cfg, dtype)

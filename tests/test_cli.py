@@ -65,6 +65,8 @@ DAMAGE = {
                          r"\S*params/_METADATA is missing: \S*params is incomplete or damaged; convert it again"),
     "metadata_corrupt": (lambda d: (d / "params" / "_METADATA").write_text("{not json"),
                          r"\S*params/_METADATA is damaged \(.*\): convert it again"),
+    "params_deleted": (lambda d: shutil.rmtree(d / "params"),
+                       r"\S*params is missing: \S* is an incomplete dsv4-convert output; convert it again"),
     "old_format": (lambda d: [shutil.rmtree(d / "params"), (d / "params").mkdir(),
                               (d / "params" / "index.json").write_text('{"format": "dsv4_jax.zarr3/1", "leaves": {}}')],
                    r"written by an earlier dsv4-convert \(array store, format dsv4_jax.zarr3/1\), which this version "
