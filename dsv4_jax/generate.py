@@ -153,7 +153,7 @@ def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0,
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     t = _real(temperature, "temperature")
-    if not (math.isfinite(t) and 0 <= t <= np.finfo(np.float32).max):
+    if not (math.isfinite(t) and 0 <= t <= float(np.finfo(np.float32).max)):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     top_k = _integer(top_k, "top_k")
     if not 0 <= top_k <= V:
