@@ -3,9 +3,10 @@
 from .cache import cache_bytes, init_cache
 from .config import ConfigError, ModelConfig, Yarn
 from .generate import GenerateOutput, generate
+from .index_cache import IndexCacheSchedule, index_cache_schedule
 from .loading import load
-from .model import Model, forward
+from .model import Model, forward, step
 from .params import init_params, param_spec
 
-__all__ = ["ConfigError", "GenerateOutput", "Model", "ModelConfig", "Yarn", "cache_bytes", "forward", "generate",
-           "init_cache", "init_params", "load", "param_spec"]
+__all__ = ["ConfigError", "GenerateOutput", "IndexCacheSchedule", "Model", "ModelConfig", "Yarn", "cache_bytes",
+           "forward", "generate", "index_cache_schedule", "init_cache", "init_params", "load", "param_spec", "step"]

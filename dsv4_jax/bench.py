@@ -1,6 +1,6 @@
 """Throughput benchmark: our JAX DeepSeek-V4 against transformers' DeepseekV4ForCausalLM.
 
-    python -m dsv4_jax.bench [--quick] [--skip-transformers] [--out FILE]
+    python -m dsv4_jax.bench [--quick] [--skip-transformers] [--out FILE] [--compile-cache DIR|off]
 
 Builds the "flash-mini" model (Flash's attention geometry on an 8-layer, 512-wide body; the
 config is written in the legacy / official form), randomises every parameter of a transformers
@@ -11,6 +11,9 @@ time at several context lengths, our compile times, the ratios ours / transforme
 
 With --skip-transformers no torch is needed: our weights come from `dsv4_jax.init_params`.
 --quick shrinks the model and every size (for the test suite); its figures mean nothing.
+The persistent compilation cache is off by default here, since the benchmark reports compile
+times (with a warm cache they would be load times); `--compile-cache DIR` turns it on, and
+env.compile_cache records it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import compile_cache
 from .cache import init_cache
 from .config import ModelConfig
 from .generate import _decode_loop, _prefill, prefill_chunks
@@ -201,8 +205,8 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         prompt = rng.integers(0, cfg.vocab_size, size=(b, P)).astype(np.int32)
         buf = np.zeros((b, total), np.int32)
         buf[:, :P] = prompt
-        buf, lengths = jnp.asarray(buf), jnp.full((b,), P, i32)
-        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), i32(-1))
+        buf, rows = jnp.asarray(buf), (jnp.full((b,), P, i32), jnp.zeros((b,), bool))  # lengths, padding rows
+        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), jnp.full((1,), -1, i32))  # no eos
 
         def setup():
             logits, cache = _prefill_all(split, cfg, prompt, max_len)
@@ -210,10 +214,10 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
 
         logits, cache = setup()
         out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
-            _decode_loop, split, cache, logits, buf, lengths, i32(n_new), *extra)
+            _decode_loop, split, cache, logits, buf, *rows, i32(n_new), *extra)
 
         def decode(s):
-            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, lengths, i32(n_new), *extra)
+            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, *rows, i32(n_new), *extra)
             jax.block_until_ready(toks)
             assert int(n_gen.min()) == n_new
 
@@ -233,21 +237,21 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     for C in sizes["contexts"]:
         max_len = C + 128
         buf = jnp.asarray(np.zeros((1, C + n), np.int32))
-        lengths = jnp.full((1,), C, i32)
-        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), i32(-1))
+        rows = (jnp.full((1,), C, i32), jnp.zeros((1,), bool))  # lengths, padding rows
+        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), jnp.full((1,), -1, i32))  # no eos
 
         def setup(C=C, max_len=max_len):
             cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
             return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
 
-        def decode(s, buf=buf, lengths=lengths, extra=extra):
-            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, lengths, i32(n), *extra)
+        def decode(s, buf=buf, rows=rows, extra=extra):
+            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, *rows, i32(n), *extra)
             jax.block_until_ready(toks)
             assert int(n_gen[0]) == n
 
         logits, cache = setup()
         steps[str(C)] = {"max_len": max_len,
-                         "compile_s": _compile_seconds(_decode_loop, split, cache, logits, buf, lengths, i32(n), *extra)}
+                         "compile_s": _compile_seconds(_decode_loop, split, cache, logits, buf, *rows, i32(n), *extra)}
         del logits, cache
         decode(setup())  # warm-up
         runners[C] = (decode, setup)
@@ -407,7 +411,8 @@ def _torch_threads(model, cores: int, forced: int | None, cfg_vocab: int) -> tup
     return probe["chosen"], probe
 
 
-def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int | None = None) -> dict:
+def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int | None = None,
+        compile_cache_dir: str | None = None) -> dict:
     sizes = dict(QUICK_SIZES if quick else FULL_SIZES)
     d = QUICK_MODEL if quick else FLASH_MINI
     cores = os.cpu_count() or 1
@@ -418,7 +423,8 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
         "env": {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
                 "devices": [str(x) for x in jax.devices()], "cpu_count": cores,
                 "jax_default_matmul_precision": str(jax.config.jax_default_matmul_precision),
-                "dtype": "float32 (both sides)", "loadavg_1m_start": _load()},
+                "dtype": "float32 (both sides)", "loadavg_1m_start": _load(),
+                "compile_cache": compile_cache_dir or "off"},
     }
     hf = None
     t0 = time.perf_counter()
@@ -498,14 +504,35 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also write the JSON to this file")
     ap.add_argument("--torch-threads", type=int, help="torch threads (default: the cores, or 1 when a probe "
                                                           "finds the machine oversubscribed)")
+    compile_cache.add_flag(ap, default=compile_cache.OFF)
     args = ap.parse_args(argv)
-    result = run(quick=args.quick, skip_transformers=args.skip_transformers, torch_threads=args.torch_threads)
+    try:
+        if args.out:  # a bad path fails now, not after the benchmark
+            _check_writable(args.out)
+        cache_dir = compile_cache.enable(args.compile_cache)
+    except OSError as e:
+        print(f"dsv4-bench: error: {e}", file=sys.stderr)
+        return 1
+    result = run(quick=args.quick, skip_transformers=args.skip_transformers, torch_threads=args.torch_threads,
+                 compile_cache_dir=cache_dir)
     text = json.dumps(result, indent=1, default=lambda o: o if not isinstance(o, float) else round(o, 6))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """OSError naming the problem unless a file can be written at `path` (checked without
+    creating it)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OSError(f"--out {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise OSError(f"--out {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise OSError(f"--out {path}: permission denied")
 
 
 if __name__ == "__main__":

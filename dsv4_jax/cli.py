@@ -2,7 +2,11 @@
 
 Loads a checkpoint (converted by dsv4-convert, or HF safetensors), generates, and prints the
 continuation and the speed. Text prompts need the checkpoint's `tokenizer.json` (read with the
-`tokenizers` package); `--ids` takes token ids. Errors print one line and exit with status 1.
+`tokenizers` package); `--ids` takes token ids (and uses the tokenizer, when it can be read, only to
+print text). Generation stops at `--eos`, else at generation_config.json's eos_token_id (an id or
+a list of ids), else at config.json's. Compiled programs are kept in JAX's persistent compilation
+cache (`--compile-cache`, see dsv4_jax/compile_cache.py), so a second run with the same shapes
+compiles nothing. Errors print one line and exit with status 1.
 """
 
 from __future__ import annotations
@@ -15,28 +19,82 @@ import time
 
 
 def _parse_ids(text: str) -> list[list[int]]:
-    """'1,2,3' -> [[1, 2, 3]]; rows separated by ';' make a batch: '1,2;3,4,5'."""
+    """'1,2,3' -> [[1, 2, 3]]; rows separated by ';' make a batch: '1,2;3,4,5'. An empty entry
+    ('1,,2', '1,2,', '1;') is an error."""
     rows = []
     for row in text.split(";"):
+        fields = [t.strip() for t in row.split(",")]
         try:
-            rows.append([int(t) for t in row.split(",") if t.strip()])
+            if "" in fields:
+                raise ValueError
+            rows.append([int(t) for t in fields])
         except ValueError:
-            raise ValueError(f"--ids must be comma-separated integers (rows separated by ';'), got {text!r}") from None
+            raise ValueError(f"--ids must be comma-separated integers (rows separated by ';') with no empty "
+                             f"entries, got {text!r}") from None
     return rows
 
 
-def _tokenizer(ckpt: str):
+def _tokenizer(ckpt: str, needed: bool):
+    """The checkpoint's tokenizer.json, or None. When it is `needed` (--prompt) a missing or
+    unreadable one is a ValueError; otherwise (--ids: it only turns the output into text) it is
+    None, with a note on stderr when the file exists but cannot be read."""
     path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.isfile(path):
+        if needed:
+            raise ValueError(f"--prompt needs {path}; use --ids instead")
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ValueError(f"{path} needs the `tokenizers` package (pip install tokenizers)") from None
-    return Tokenizer.from_file(path)
+        if needed:
+            raise ValueError(f"{path} needs the `tokenizers` package (pip install tokenizers)") from None
+        return None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a plain Exception for a malformed file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if needed:
+            raise ValueError(f"{path}: cannot read the tokenizer ({reason})") from None
+        print(f"dsv4-generate: note: {path} cannot be read ({reason}); printing token ids", file=sys.stderr)
+        return None
+
+
+def _decode(tok, ids: list[int]) -> str | None:
+    if tok is None:
+        return None
+    try:
+        return tok.decode(ids)
+    except Exception:  # an id the tokenizer does not know: the ids are printed instead
+        return None
+
+
+def _eos(args, ckpt: str, config_eos: int | None) -> int | list[int] | None:
+    """The stop ids: none with --no-eos, else --eos, else generation_config.json's eos_token_id
+    (an id or a list of ids), else config.json's."""
+    if args.no_eos:
+        return None
+    if args.eos is not None:
+        return args.eos
+    path = os.path.join(ckpt, "generation_config.json")
+    if not os.path.isfile(path):
+        return config_eos
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); give --eos ID or --no-eos") from None
+    if not isinstance(gen, dict) or "eos_token_id" not in gen:
+        return config_eos
+    eos = gen["eos_token_id"]
+    ok = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+    if eos is None or ok(eos) or (isinstance(eos, list) and eos and all(map(ok, eos))):
+        return eos
+    raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
 
 
 def main(argv=None) -> int:
+    from . import compile_cache
+
     ap = argparse.ArgumentParser(prog="dsv4-generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint directory")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -47,8 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-len", type=int, default=None, help="cache size in tokens (default: just enough)")
-    ap.add_argument("--eos", type=int, default=None, help="stop token id (default: the config's eos_token_id)")
+    ap.add_argument("--max-len", type=int, default=None, help="cache size in tokens (default: a bucket that fits)")
+    ap.add_argument("--eos", type=int, default=None,
+                    help="stop token id (default: generation_config.json's eos_token_id, else config.json's)")
     ap.add_argument("--no-eos", action="store_true", help="do not stop at an eos token")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--attention-impl", choices=("auto", "pallas", "ref"), default="auto")
@@ -57,19 +116,19 @@ def main(argv=None) -> int:
     ap.add_argument("--index-cache-pattern", default=None, help="IndexCache: one F/S per ratio-4 layer")
     ap.add_argument("--index-cache-skip-compressor", action="store_true",
                     help="IndexCache: reusing layers also skip their indexer's compressor")
+    compile_cache.add_flag(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
     try:
+        cache_dir = compile_cache.enable(args.compile_cache)  # before anything compiles
         import jax.numpy as jnp
 
         import dsv4_jax
 
         if not os.path.isdir(args.ckpt):
             raise ValueError(f"checkpoint directory not found: {args.ckpt}")
-        tok = _tokenizer(args.ckpt)
+        tok = _tokenizer(args.ckpt, needed=args.prompt is not None)
         if args.prompt is not None:
-            if tok is None:
-                raise ValueError(f"--prompt needs {os.path.join(args.ckpt, 'tokenizer.json')}; use --ids instead")
             prompts = [tok.encode(args.prompt).ids]
         else:
             prompts = _parse_ids(args.ids)
@@ -78,33 +137,38 @@ def main(argv=None) -> int:
             options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
                            index_topk_pattern=args.index_cache_pattern,
                            index_cache_skip_compressor=args.index_cache_skip_compressor)
-        t0 = time.perf_counter()
-        model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), **options)
-        load_s = time.perf_counter() - t0
-        if model.config.use_index_cache:
-            from dsv4_jax.index_cache import index_cache_schedule
-            print(index_cache_schedule(model.config).describe(), file=sys.stderr)
-        eos = None if args.no_eos else (args.eos if args.eos is not None else model.config.eos_token_id)
-        kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-                  seed=args.seed, max_len=args.max_len)
-        t0 = time.perf_counter()
-        out = dsv4_jax.generate(model, prompts, args.max_new_tokens, **kw)
-        gen_s = time.perf_counter() - t0
+        with compile_cache.CompileCounter() as compiles:
+            t0 = time.perf_counter()
+            model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), **options)
+            load_s = time.perf_counter() - t0
+            if model.config.use_index_cache:
+                print(dsv4_jax.index_cache_schedule(model.config).describe(), file=sys.stderr)
+            kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      eos_token_id=_eos(args, args.ckpt, model.config.eos_token_id), seed=args.seed,
+                      max_len=args.max_len)
+            t0 = time.perf_counter()
+            out = dsv4_jax.generate(model, prompts, args.max_new_tokens, **kw)
+            gen_s = time.perf_counter() - t0
     except (ValueError, OSError, TypeError) as e:
         print(f"dsv4-generate: error: {e}", file=sys.stderr)
         return 1
     n = int(out.lengths.sum())
     rows = out.rows()
     report = {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3), "new_tokens": n,
-              "tokens_per_s": round(n / gen_s, 2), "note": "generate_s includes compilation on first use",
-              "rows": [{"prompt_ids": p, "ids": r, "text": tok.decode(r) if tok else None} for p, r in zip(prompts, rows)]}
+              "tokens_per_s": round(n / gen_s, 2), "eos_token_id": kw["eos_token_id"],
+              "compiled_programs": compiles.compiled, "programs_from_cache": compiles.loaded,
+              "compile_s": round(compiles.seconds, 3), "compile_cache": cache_dir,
+              "note": "generate_s includes the compilation of generate's programs; compile_s counts the "
+                      "compile requests of load and generate (a program from the compile cache: its load time)",
+              "rows": [{"prompt_ids": p, "ids": r, "text": _decode(tok, r)} for p, r in zip(prompts, rows)]}
     if args.json:
         print(json.dumps(report))
     else:
         for row in report["rows"]:
             print(row["text"] if row["text"] is not None else " ".join(map(str, row["ids"])))
-        print(f"[{n} tokens in {gen_s:.2f}s: {n / gen_s:.1f} tokens/s including compilation; load {load_s:.2f}s]",
-              file=sys.stderr)
+        print(f"[{n} tokens in {gen_s:.2f}s: {n / gen_s:.1f} tokens/s; load {load_s:.2f}s; "
+              f"{compiles.compiled} programs compiled ({compiles.seconds:.1f}s), {compiles.loaded} from the "
+              f"compile cache]", file=sys.stderr)
     return 0
 
 

@@ -19,17 +19,19 @@ PARAMS_DIR = "params"
 MTP_DIR = "mtp"
 
 
+def _converted_config(path: str) -> bool:
+    """Whether `path`/config.json is one `dsv4-convert` wrote."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "dsv4_jax" in json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
 def is_converted(path: str | os.PathLike) -> bool:
     """Whether `path` is a directory written by `dsv4-convert`."""
     path = os.fspath(path)
-    cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(os.path.join(path, PARAMS_DIR)) and os.path.isfile(cfg)):
-        return False
-    try:
-        with open(cfg) as f:
-            return "dsv4_jax" in json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return False
+    return os.path.isdir(os.path.join(path, PARAMS_DIR)) and _converted_config(path)
 
 
 def load(path: str | os.PathLike, dtype=jnp.float32,
@@ -77,6 +79,9 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
 def _load(path: str, cfg: ModelConfig, dtype, sharding) -> Model:
     if is_converted(path):
         return Model(params=_restore(path, cfg, dtype, sharding), config=cfg)
+    if _converted_config(path):
+        raise _damaged(f"{os.path.join(path, PARAMS_DIR)} is missing: {path} is an incomplete dsv4-convert output; "
+                       f"convert it again")
     from convert import read_hf_checkpoint
 
     params, _mtp = read_hf_checkpoint(path, cfg, dtype)
@@ -93,9 +98,95 @@ def _sharding_of(sharding, name: str, shape) -> jax.sharding.Sharding:
     return sharding(name, tuple(shape)) if callable(sharding) else sharding
 
 
+def _damaged(message: str) -> Exception:
+    from convert.safetensors_io import CheckpointError
+
+    return CheckpointError(message)
+
+
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object file of the checkpoint; a missing or unreadable one is a CheckpointError
+    naming it."""
+    if not os.path.isfile(path):
+        raise _damaged(f"{path} is missing: {what} is incomplete or damaged; convert it again")
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(f"{path} is damaged ({e}): convert it again") from None
+    if not isinstance(obj, dict):
+        raise _damaged(f"{path} is damaged (not a JSON object): convert it again")
+    return obj
+
+
+def _checkpoint_metadata(directory: str) -> dict:
+    """The Orbax `_METADATA` of one of our checkpoint directories (params/, mtp/), checked
+    before Orbax reads it: a directory of an earlier converter's array store, or one whose
+    metadata is missing or unreadable, is a CheckpointError saying so."""
+    from convert.store import METADATA
+
+    old_index = os.path.join(directory, "index.json")
+    if os.path.isfile(old_index) and not os.path.isfile(os.path.join(directory, METADATA)):
+        try:
+            with open(old_index) as f:
+                fmt = json.load(f).get("format", "unknown")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            fmt = "unknown"
+        raise _damaged(f"{os.path.dirname(directory)} was written by an earlier dsv4-convert (array store, "
+                       f"format {fmt}), which this version does not read: convert it again")
+    return _read_json(os.path.join(directory, METADATA), directory)
+
+
+def _chunk_files(array_dir: str, meta: dict) -> tuple[list[str], int | None]:
+    """The chunk files a zarr v3 array with a regular grid and the default key encoding has
+    (a converted array writes every one), and their size when it is fixed (uncompressed, the
+    `bytes` codec alone: a full chunk each) or None."""
+    shape, chunk = meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"]
+    sep = meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
+    grid = [-(-n // c) for n, c in zip(shape, chunk)]
+    files = [os.path.join(array_dir, "c" + "".join(sep + str(i) for i in idx)) for idx in np.ndindex(*grid)]
+    size = None
+    if [c.get("name") for c in meta.get("codecs", [])] == ["bytes"]:
+        try:
+            size = int(np.prod(chunk, dtype=np.int64)) * jnp.dtype(meta["data_type"]).itemsize
+        except TypeError:
+            size = None
+    return files, size
+
+
+def _check_arrays(pdir: str, want: dict) -> None:
+    """Every array the target asks for (`want`: tree path -> shape) is in the checkpoint
+    written by our converter, with the expected shape and every chunk file whole: a missing or
+    damaged one is a CheckpointError naming the array and the file. (Orbax itself would pad or
+    truncate a misshapen array, and fail on a missing chunk with a TensorStore traceback.)"""
+    for path, shape in want.items():
+        name = ".".join(path)
+        array_dir = os.path.join(pdir, name)
+        zarr_json = os.path.join(array_dir, "zarr.json")
+        if not os.path.isfile(zarr_json):
+            raise _damaged(f"{pdir}: array {name!r} is missing ({zarr_json} not found); convert it again")
+        meta = _read_json(zarr_json, f"array {name!r}")
+        try:
+            got = tuple(meta["shape"])
+            files, size = _chunk_files(array_dir, meta)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            raise _damaged(f"{zarr_json} is damaged (not a zarr v3 array with a regular chunk grid): "
+                           f"convert it again") from None
+        if got != tuple(shape):
+            raise _damaged(f"{pdir}: array {name!r} is {list(got)}, the config expects {list(shape)}")
+        for f in files:
+            try:
+                n = os.path.getsize(f)
+            except OSError:
+                raise _damaged(f"{pdir}: array {name!r} is damaged: chunk file {f} is missing; convert it again") from None
+            if size is not None and n != size:
+                raise _damaged(f"{pdir}: array {name!r} is damaged: chunk file {f} has {n} bytes, not {size} "
+                               f"(truncated?); convert it again")
+
+
 def _check_tree(pdir: str, want: dict) -> None:
-    """Every array the target asks for is in the checkpoint with the expected shape (Orbax itself
-    would pad or truncate a misshapen one); `want` maps tree paths to shapes."""
+    """As _check_arrays, for an Orbax checkpoint not written by our converter (e.g. one Orbax
+    itself saved): the shapes in Orbax's metadata."""
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as ckptr:
@@ -107,8 +198,18 @@ def _check_tree(pdir: str, want: dict) -> None:
     for path, shape in want.items():
         got = have.get(path)
         if got is None or tuple(got) != tuple(shape):
-            raise ValueError(f"{pdir}: array {'.'.join(path)!r} is {'missing' if got is None else list(got)}, "
-                             f"the config expects {list(shape)}")
+            raise _damaged(f"{pdir}: array {'.'.join(path)!r} is {'missing' if got is None else list(got)}, "
+                           f"the config expects {list(shape)}")
+
+
+def _orbax_restore(directory: str, restore):
+    """restore() (an Orbax restore of `directory`), any failure of Orbax / TensorStore as one
+    CheckpointError line."""
+    try:
+        return restore()
+    except Exception as e:  # Orbax and TensorStore raise many kinds; the caller gets one
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise _damaged(f"{directory}: the checkpoint cannot be read ({first}); convert it again") from None
 
 
 def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
@@ -116,13 +217,14 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
     own shard), the values / scale subtrees of a native conversion as QuantizedWeights."""
     import orbax.checkpoint as ocp
 
+    from convert.store import FORMAT
+
     from .quantized import storage_shapes
 
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     pdir = os.path.abspath(os.path.join(path, PARAMS_DIR))
-    with open(os.path.join(path, "config.json")) as f:
-        quantized = json.load(f).get("quantized") or {}
+    quantized = _read_json(os.path.join(path, "config.json"), path).get("quantized") or {}
     want: dict[tuple, tuple] = {}
 
     def target(p, spec_leaf):
@@ -138,9 +240,17 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
                                     sharding=_sharding_of(sharding, ".".join(p), shape))
 
     tgt = map_spec(target, param_spec(cfg))
-    _check_tree(pdir, want)
-    with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(pdir, tgt)
+    custom = _checkpoint_metadata(pdir).get("custom_metadata")
+    if isinstance(custom, dict) and custom.get("format") == FORMAT:
+        _check_arrays(pdir, want)
+    else:
+        _check_tree(pdir, want)
+
+    def restore():
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(pdir, tgt)
+
+    params = _orbax_restore(pdir, restore)
 
     def build(p, spec_leaf):
         node = params
@@ -180,9 +290,14 @@ def load_mtp(path: str | os.PathLike) -> dict:
     d = os.path.abspath(os.path.join(os.fspath(path), MTP_DIR))
     if not os.path.isdir(d):
         return {}
+    _checkpoint_metadata(d)
     leaves = (read_custom_metadata(d) or {}).get("leaves", {})
-    with ocp.PyTreeCheckpointer() as ckptr:
-        tree = ckptr.restore(d)
+
+    def restore():
+        with ocp.PyTreeCheckpointer() as ckptr:
+            return ckptr.restore(d)
+
+    tree = _orbax_restore(d, restore)
     out = {}
     for name, v in _flatten_mtp(tree, leaves).items():
         kind = leaves.get(name, {}).get("kind")

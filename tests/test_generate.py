@@ -17,7 +17,8 @@ import torch
 import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.cache import cache_bytes, init_cache
-from dsv4_jax.generate import _decode_loop, prefill_chunks, sample_logits
+from dsv4_jax.compile_cache import CompileCounter
+from dsv4_jax.generate import _decode_loop, batch_bucket, length_bucket, prefill_chunks, sample_logits
 from dsv4_jax import layer_weights
 from dsv4_jax.layer_weights import PerExpert, PerLayer, unstack_layers
 from dsv4_jax.model import forward, step
@@ -92,6 +93,11 @@ def test_chunked_prefill_equals_one_pass(tiny, chunks):
 
 
 def test_ragged_batch_rows_equal_alone(tiny):
+    """The README's statement, in fp32: each row of a ragged batch (here 3 rows, padded to a
+    bucket of 4) gives the greedy tokens it gives alone, although its prompt tokens past the
+    batch's common prefix go through one-token decode steps where alone they are prefilled
+    (the 33-token row: 32 prefilled alone, 1 in the batch; a decode step and a prefill chunk
+    agree to about 1e-6: test_decode_logits_equal_full_forward)."""
     cfg, params = tiny
     model = dsv4_jax.Model(params, cfg)
     rng = np.random.default_rng(3)
@@ -99,6 +105,38 @@ def test_ragged_batch_rows_equal_alone(tiny):
     batch = dsv4_jax.generate(model, prompts, 24).rows()
     for p, row in zip(prompts, batch):
         assert row == dsv4_jax.generate(model, [p], 24).rows()[0]
+
+
+def test_requests_in_one_bucket_compile_nothing_new(tiny):
+    """Batch, max_len and the decode loop's buffer come from buckets: after two requests of a
+    bucket (4 rows, max_len 128; one with a 16-token prefill chunk), others with new prompt
+    lengths (the issue's [[1,2,3],[4,5]] -> [[1,2,3,7],[4,5]], with a third row here), a new
+    max_new_tokens, 3 or 4 rows, other sampling settings and stop ids compile no program. A
+    request in a new bucket does compile, which shows that the count sees compilations."""
+    cfg, params = tiny
+    model = dsv4_jax.Model(params, cfg)
+    rng = np.random.default_rng(4)
+
+    def ids(*lengths):
+        return [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in lengths]
+
+    dsv4_jax.generate(model, ids(3, 2, 20), 8)  # common prefix 2: no prefill
+    dsv4_jax.generate(model, ids(16, 40, 50), 8)  # common prefix 16: one 16-token chunk
+    with CompileCounter() as c:
+        dsv4_jax.generate(model, ids(4, 2, 20), 8)
+        dsv4_jax.generate(model, ids(4, 2, 20), 9)
+        dsv4_jax.generate(model, ids(30, 25, 17, 90), 20, temperature=0.7, top_k=5, top_p=0.9, seed=3,
+                          eos_token_id=[1, 2])
+    assert c.programs == []
+    with CompileCounter() as c:
+        dsv4_jax.generate(model, ids(3), 200)  # 1 row, 203 tokens: max_len 256
+    assert c.compiled >= 1
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 24]
+    assert [length_bucket(n) for n in (1, 128, 129, 256, 257, 384, 385, 513, 769, 1025, 1537)] == \
+        [128, 128, 256, 256, 384, 384, 512, 768, 1024, 1536, 2048]
 
 
 def test_eos_stops_a_row(tiny):
@@ -114,6 +152,12 @@ def test_eos_stops_a_row(tiny):
     expect = row1[: row1.index(eos) + 1] if eos in row1 else row1
     assert stopped.rows()[1] == expect
     assert (stopped.tokens[0, first + 1:] == 0).all()
+    # several stop ids (generation_config.json's list form): a row stops at the first of any
+    several = [int(free.tokens[0, 3]), int(free.tokens[1, 2])]
+    stopped = dsv4_jax.generate(model, prompts, 12, eos_token_id=several)
+    for row, free_row in zip(stopped.rows(), free.rows()):
+        ends = [i for i, t in enumerate(free_row) if t in several]
+        assert ends and row == free_row[: ends[0] + 1]
 
 
 def test_sampling_is_reproducible(tiny):
@@ -154,27 +198,56 @@ def test_top_k_top_p_on_the_distribution():
     assert (greedy == 0).all()
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(prompts=[[1] * 50], max_len=40), "longer than max_len=40"),
-    (dict(prompts=[[1] * 30], max_len=40), r"30 tokens\) \+ max_new_tokens \(16\) = 46 exceeds max_len=40"),
-    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-    (dict(prompts=[]), "prompts is empty"),
-    (dict(prompts=[[1, 96]]), r"token id 96 outside the vocabulary \[0, 96\)"),
-    (dict(prompts=[[1, -1]]), "token id -1 outside"),
-    (dict(prompts=[[1]], temperature=-0.5), "temperature"),
-    (dict(prompts=[[1]], top_k=-1), "top_k"),
-    (dict(prompts=[[1]], top_p=0.0), "top_p"),
-    (dict(prompts=[[1]], top_p=1.5), "top_p"),
-    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
-    (dict(prompts=[[1]], eos_token_id=1000), "eos_token_id"),
+@pytest.mark.parametrize("kw, err, msg", [
+    (dict(prompts=[[1] * 50], max_len=40), ValueError, "longer than max_len=40"),
+    (dict(prompts=[[1] * 30], max_len=40), ValueError, r"30 tokens\) \+ max_new_tokens \(16\) = 46 exceeds max_len=40"),
+    (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+    (dict(prompts=[]), ValueError, "prompts is empty"),
+    (dict(prompts=[[1, 96]]), ValueError, r"token id 96 outside the vocabulary \[0, 96\)"),
+    (dict(prompts=[[1, -1]]), ValueError, "token id -1 outside"),
+    (dict(prompts=[[1, 2.0]]), TypeError, "prompt 0 holds a non-integer token 2.0"),
+    (dict(prompts=[1, 2, 3]), TypeError, r"got a flat list of integers \(one prompt is \[\[1, \.\.\.\]\]\)"),
+    (dict(prompts="1 2 3"), TypeError, "prompts must be a list of token-id lists"),
+    (dict(prompts=np.ones((2, 3), np.float32)), TypeError, "integer array"),
+    (dict(prompts=[[1]], temperature=-0.5), ValueError, "temperature"),
+    (dict(prompts=[[1]], temperature="hot"), TypeError, "temperature must be a number"),
+    (dict(prompts=[[1]], temperature=1e39), ValueError, "temperature must be a finite number"),
+    (dict(prompts=[[1]], top_k=-1), ValueError, "top_k"),
+    (dict(prompts=[[1]], top_k=2 ** 40), ValueError, r"top_k must be between 0 \(no top-k\) and the vocabulary size 96"),
+    (dict(prompts=[[1]], top_k=2.0), TypeError, "top_k must be an integer"),
+    (dict(prompts=[[1]], top_p=0.0), ValueError, "top_p"),
+    (dict(prompts=[[1]], top_p=1.5), ValueError, "top_p"),
+    (dict(prompts=[[1]], max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(prompts=[[1]], max_new_tokens=2 ** 40), ValueError, r"exceeds the model's max_position_embeddings \(1024\)"),
+    (dict(prompts=[[1]], max_len=2048), ValueError, r"max_len must be between 1 and the model's max_position_embeddings"),
+    (dict(prompts=[[1]], eos_token_id=1000), ValueError, "eos_token_id"),
+    (dict(prompts=[[1]], eos_token_id=True), TypeError, "eos_token_id must be an integer, got True"),
+    (dict(prompts=[[1]], eos_token_id=[]), ValueError, "eos_token_id"),
+    (dict(prompts=[[1]], seed=2 ** 70), ValueError, "seed must fit in 64 bits"),
+    (dict(prompts=[[1]], temprature=0.5), TypeError,
+     r"^generate\(\) got an unexpected keyword argument 'temprature' \(did you mean 'temperature'\?\)$"),
+    (dict(prompts=[[1]], use_index_cache="yes"), ValueError, "use_index_cache"),
 ])
-def test_bad_requests_fail_before_running(tiny, kw, msg):
+def test_bad_requests_fail_before_compiling(tiny, kw, err, msg):
     cfg, params = tiny
     kw = dict(kw)
     prompts = kw.pop("prompts")
     kw.setdefault("max_new_tokens", 16)
-    with pytest.raises(ValueError, match=msg):
+    with CompileCounter() as c, pytest.raises(err, match=msg):
         dsv4_jax.generate(dsv4_jax.Model(params, cfg), prompts, **kw)
+    assert c.programs == []
+
+
+def test_numpy_and_jax_values_are_accepted(tiny):
+    """Rows as 1-D numpy / jax integer arrays, numpy / jax scalars for the numbers: the same
+    tokens as plain Python values."""
+    cfg, params = tiny
+    model = dsv4_jax.Model(params, cfg)
+    plain = dsv4_jax.generate(model, [[5, 6, 7], [9, 10]], 6, temperature=0.8, top_k=10, top_p=0.9, seed=1).rows()
+    other = dsv4_jax.generate(model, [jnp.array([5, 6, 7]), np.array([9, 10], np.int64)], np.int64(6),
+                              temperature=np.float32(0.8), top_k=jnp.int32(10), top_p=jnp.float32(0.9),
+                              seed=np.uint8(1)).rows()
+    assert other == plain
 
 
 def _cache_copies(hlo: str, cache) -> list[str]:
@@ -200,8 +273,8 @@ def test_decode_has_no_cache_sized_copy():
     assert _cache_copies(hlo, cache) == []
     i32, f32 = jnp.int32, jnp.float32
     loop = _decode_loop.lower(params, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 64), i32),
-                              jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
-                              i32(-1)).compile().as_text()
+                              jnp.ones((2,), i32), jnp.zeros((2,), bool), i32(8), jax.random.PRNGKey(0), cfg, f32(0),
+                              i32(0), f32(1), jnp.full((1,), -1, i32)).compile().as_text()
     assert _cache_copies(loop, cache) == []
 
 
@@ -303,8 +376,9 @@ def test_cpu_decode_reads_weights_in_place(monkeypatch):
     copied = _weight_copies(stepped, shapes)  # the stacked layout does copy layers and experts out
     assert any("gather" in c for c in copied) and any("gather" not in c for c in copied)
     loop = _decode_loop.lower(split, cache, jnp.zeros((2, cfg.vocab_size), f32),
-                              jnp.zeros((2, 64), i32), jnp.ones((2,), i32), i32(8), jax.random.PRNGKey(0), cfg,
-                              f32(0), i32(0), f32(1), i32(-1)).compile().as_text()
+                              jnp.zeros((2, 64), i32), jnp.ones((2,), i32), jnp.zeros((2,), bool), i32(8),
+                              jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
+                              jnp.full((1,), -1, i32)).compile().as_text()
     assert _weight_copies(loop, shapes) == []
 
 

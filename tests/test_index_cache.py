@@ -149,12 +149,27 @@ def test_report_json(tmp_path, capsys):
     from dsv4_jax.index_cache_report import main
 
     write_hf_checkpoint(dsv4_jax.init_params(BASE, 1, std=0.1), BASE, str(tmp_path))
-    assert main(["--ckpt", str(tmp_path), "--prompt-len", "24", "--num-prompts", "2", "--new-tokens", "4"]) == 0
+    off = ["--compile-cache", "off"]
+    assert main(["--ckpt", str(tmp_path), "--prompt-len", "24", "--num-prompts", "2", "--new-tokens", "4", *off]) == 0
     import json
     out = json.loads(capsys.readouterr().out)
     assert out["schedule"]["skip_layer_ids"] == [3]
+    # index_topk 4: positions from 4 * 5 - 1 = 19 see 5 or more ratio-4 entries and choose
+    assert out["indexer_choice"]["meaningful"] and out["indexer_choice"]["prompt_positions_choosing"] == 24 - 19
+    assert out["indexer_choice"]["generated_positions_choosing"] == 4
     assert 0 <= out["overlap_per_reusing_layer"]["3"] <= 1
     assert out["kl_next_token"]["mean"] >= 0 and 0 <= out["greedy_agreement"]["fraction_equal"] <= 1
     assert all(v > 0 for k, v in out["time_s"].items() if k != "note")
-    assert main(["--ckpt", str(tmp_path), "--pattern", "F", "--prompt-len", "8"]) == 1  # nothing reuses
+    assert main(["--ckpt", str(tmp_path), "--pattern", "F", "--prompt-len", "8", *off]) == 1  # nothing reuses
     assert "reuses on no layer" in capsys.readouterr().err
+    # 12-token prompts and 4 new tokens: no position sees more than index_topk entries, reuse
+    # cannot change anything, and the report says so instead of overlap 1.0 and KL 0
+    assert main(["--ckpt", str(tmp_path), "--prompt-len", "12", "--num-prompts", "2", "--new-tokens", "4", *off]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["indexer_choice"] | {"note": None} == {
+        "index_topk": 4, "ratio4_entries_at_prompt_end": 3, "prompt_positions_choosing": 0,
+        "generated_positions_choosing": 0, "meaningful": False, "note": None}
+    assert out["overlap_per_reusing_layer"] == {"3": None}
+    assert out["kl_next_token"]["mean"] is None and out["greedy_agreement"]["fraction_equal"] is None
+    assert "warning: prompts of 12 tokens never see more than index_topk=4" in captured.err
