@@ -34,9 +34,10 @@ import numpy as np
 from . import compile_cache
 from .cache import init_cache
 from .config import ModelConfig
-from .generate import _decode_loop, _prefill, prefill_chunks
+from .generate import _decode_loop, _prefill, prefill, prefill_plan
 from .hf_reference import make_model
 from .layer_weights import unstack_layers
+from .model import Model
 from .random_checkpoint import FLASH_MINI  # the "flash-mini" model's config (legacy HF form)
 
 # --quick: every layer kind, small widths.
@@ -155,23 +156,20 @@ def bench_transformers(model, sizes: dict, vocab: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # our side
 
-def _prefill_all(params, cfg, ids: np.ndarray, max_len: int, cache=None):
-    """generate()'s prefill: the per-layer split of the weights (CPU), then chunks of
-    PREFILL_CHUNK and powers of two. Returns (logits, cache)."""
+def _prefill_all(params, cfg, ids: np.ndarray, max_len: int):
+    """generate()'s prefill: the per-layer split of the weights (CPU), then the prompt in chunks of
+    PREFILL_CHUNK (the last cut to a power of two). Returns (logits, cache)."""
     params = unstack_layers(params)
-    B, S = ids.shape
-    cache = init_cache(cfg, B, max_len, params["embed"].dtype) if cache is None else cache
-    pos = 0
-    for size in prefill_chunks(S):
-        logits, cache = _prefill(params, cache, jnp.asarray(ids[:, pos:pos + size]), cfg, True)
-        pos += size
-    return logits, cache
+    return prefill(Model(params, cfg), params, cfg, ids, np.full(ids.shape[0], ids.shape[1], np.int32), max_len)
 
 
 def _compile_seconds(jitted, *args) -> float:
     t0 = time.perf_counter()
     jitted.lower(*args).compile()
     return time.perf_counter() - t0
+
+
+_GREEDY = (np.float32(0), np.int32(0), np.float32(1))  # temperature, top_k, top_p
 
 
 def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
@@ -187,30 +185,30 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     S = sizes["prefill_len"]
     max_len = -(-(S + 1) // 128) * 128
     ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
-    chunk_sizes = sorted(set(prefill_chunks(S)))
+    chunks = [T for T, _ in prefill_plan([S])]
+    one = np.ones(1, np.int32)
     out["compile_s"]["prefill"] = {
-        str(c): _compile_seconds(_prefill, split, init_cache(cfg, 1, max_len, dtype), jnp.zeros((1, c), i32), cfg, True)
-        for c in chunk_sizes}
-    run = lambda cache: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len, cache))
-    run(init_cache(cfg, 1, max_len, dtype))  # warm-up (first execution)
-    t, ts = _median_time(run, sizes["repeats"], lambda: jax.block_until_ready(init_cache(cfg, 1, max_len, dtype)))
-    out["prefill"] = {"tokens": S, "batch": 1, "chunks": prefill_chunks(S), "seconds": t, "tokens_per_s": S / t,
+        str(c): _compile_seconds(_prefill, split, init_cache(cfg, 1, max_len, dtype), jnp.zeros((1, c), i32), one,
+                                 one.astype(bool), jnp.zeros((1, cfg.vocab_size), f32), cfg)
+        for c in sorted(set(chunks))}
+    run = lambda _: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len))
+    run(None)  # warm-up (first execution)
+    t, ts = _median_time(run, sizes["repeats"], lambda: None)
+    out["prefill"] = {"tokens": S, "batch": 1, "chunks": chunks, "seconds": t, "tokens_per_s": S / t,
                       "runs_s": ts}
 
     # decode throughput: generate()'s jitted decode loop after a prompt
     P, n_new = sizes["prompt_len"], sizes["new_tokens"]
     for b in sizes["batches"]:
-        total = P + n_new
-        max_len = -(-total // 128) * 128
+        max_len = -(-(P + n_new) // 128) * 128
         prompt = rng.integers(0, cfg.vocab_size, size=(b, P)).astype(np.int32)
-        buf = np.zeros((b, total), np.int32)
+        buf = np.zeros((b, max_len), np.int32)
         buf[:, :P] = prompt
-        buf, rows = jnp.asarray(buf), (jnp.full((b,), P, i32), jnp.zeros((b,), bool))  # lengths, padding rows
-        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), jnp.full((1,), -1, i32))  # no eos
+        rows = (np.zeros((b,), bool),)  # no padding rows
+        extra = (np.zeros(b, np.uint32), _GREEDY, np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup():
-            logits, cache = _prefill_all(split, cfg, prompt, max_len)
-            return jax.block_until_ready((logits[:, 0], cache))
+            return jax.block_until_ready(_prefill_all(split, cfg, prompt, max_len))
 
         logits, cache = setup()
         out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
@@ -236,12 +234,12 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     runners, steps = {}, {}
     for C in sizes["contexts"]:
         max_len = C + 128
-        buf = jnp.asarray(np.zeros((1, C + n), np.int32))
-        rows = (jnp.full((1,), C, i32), jnp.zeros((1,), bool))  # lengths, padding rows
-        extra = (jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1), jnp.full((1,), -1, i32))  # no eos
+        buf = np.zeros((1, max_len), np.int32)
+        rows = (np.zeros((1,), bool),)  # no padding rows
+        extra = (np.zeros(1, np.uint32), _GREEDY, np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup(C=C, max_len=max_len):
-            cache = dict(init_cache(cfg, 1, max_len, dtype), pos=i32(C))
+            cache = dict(init_cache(cfg, 1, max_len, dtype), pos=jnp.full((1,), C, i32))
             return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
 
         def decode(s, buf=buf, rows=rows, extra=extra):
@@ -475,7 +473,8 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
     result["notes"] = [
         "ours: jax.jit on CPU, fp32; throughput excludes compilation (compiled ahead with .lower().compile(), "
         "then one warm-up execution); times are medians of repeats with block_until_ready.",
-        "prefill: generate()'s path (_prefill over chunks of 512 tokens, cache donated), logits of the last "
+        "prefill: generate()'s path (_prefill over chunks of 512 tokens, the last cut to a power of two, cache "
+        "donated), logits of the last "
         "position only; transformers: one forward of the whole prompt with use_cache=True, logits_to_keep=1.",
         "decode throughput: ours = generate()'s jitted _decode_loop (greedy) after a prefilled prompt; "
         "transformers = a greedy loop of model(next_token, cache=...) calls (no generate() overhead).",

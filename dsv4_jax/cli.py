@@ -6,7 +6,10 @@ continuation and the speed. Text prompts need the checkpoint's `tokenizer.json` 
 print text). Generation stops at `--eos`, else at generation_config.json's eos_token_id (an id or
 a list of ids), else at config.json's. Compiled programs are kept in JAX's persistent compilation
 cache (`--compile-cache`, see dsv4_jax/compile_cache.py), so a second run with the same shapes
-compiles nothing. Errors print one line and exit with status 1.
+compiles nothing. `--mesh data=2,expert=4 [--layout ...]` runs the model on a device mesh
+(dsv4_jax/sharding.py); with `--coordinator HOST:PORT --num-processes N --process-id I` (or the
+JAX_* environment variables, dsv4_jax/distributed.py) every process of a multi-host run runs the
+same command, and process 0 prints. Errors print one line and exit with status 1.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def _eos(args, ckpt: str, config_eos: int | None) -> int | list[int] | None:
 
 
 def main(argv=None) -> int:
-    from . import compile_cache
+    from . import compile_cache, distributed, sharding
 
     ap = argparse.ArgumentParser(prog="dsv4-generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint directory")
@@ -117,59 +120,76 @@ def main(argv=None) -> int:
     ap.add_argument("--index-cache-skip-compressor", action="store_true",
                     help="IndexCache: reusing layers also skip their indexer's compressor")
     compile_cache.add_flag(ap)
+    sharding.add_arguments(ap)
+    distributed.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
     try:
-        cache_dir = compile_cache.enable(args.compile_cache)  # before anything compiles
-        import jax.numpy as jnp
-
-        import dsv4_jax
-
-        if not os.path.isdir(args.ckpt):
-            raise ValueError(f"checkpoint directory not found: {args.ckpt}")
-        tok = _tokenizer(args.ckpt, needed=args.prompt is not None)
-        if args.prompt is not None:
-            prompts = [tok.encode(args.prompt).ids]
-        else:
-            prompts = _parse_ids(args.ids)
-        options = {"attention_impl": args.attention_impl}
-        if args.index_cache_freq is not None or args.index_cache_pattern is not None:
-            options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
-                           index_topk_pattern=args.index_cache_pattern,
-                           index_cache_skip_compressor=args.index_cache_skip_compressor)
-        with compile_cache.CompileCounter() as compiles:
-            t0 = time.perf_counter()
-            model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), **options)
-            load_s = time.perf_counter() - t0
-            if model.config.use_index_cache:
-                print(dsv4_jax.index_cache_schedule(model.config).describe(), file=sys.stderr)
-            kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      eos_token_id=_eos(args, args.ckpt, model.config.eos_token_id), seed=args.seed,
-                      max_len=args.max_len)
-            t0 = time.perf_counter()
-            out = dsv4_jax.generate(model, prompts, args.max_new_tokens, **kw)
-            gen_s = time.perf_counter() - t0
+        with distributed.stdout_to_stderr():  # until the report: only it goes to stdout
+            report = _generate(args)
     except (ValueError, OSError, TypeError) as e:
         print(f"dsv4-generate: error: {e}", file=sys.stderr)
         return 1
-    n = int(out.lengths.sum())
-    rows = out.rows()
-    report = {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3), "new_tokens": n,
-              "tokens_per_s": round(n / gen_s, 2), "eos_token_id": kw["eos_token_id"],
-              "compiled_programs": compiles.compiled, "programs_from_cache": compiles.loaded,
-              "compile_s": round(compiles.seconds, 3), "compile_cache": cache_dir,
-              "note": "generate_s includes the compilation of generate's programs; compile_s counts the "
-                      "compile requests of load and generate (a program from the compile cache: its load time)",
-              "rows": [{"prompt_ids": p, "ids": r, "text": _decode(tok, r)} for p, r in zip(prompts, rows)]}
+    if report is None:  # a multi-process run: every process computed, process 0 prints
+        return 0
     if args.json:
         print(json.dumps(report))
     else:
         for row in report["rows"]:
             print(row["text"] if row["text"] is not None else " ".join(map(str, row["ids"])))
-        print(f"[{n} tokens in {gen_s:.2f}s: {n / gen_s:.1f} tokens/s; load {load_s:.2f}s; "
-              f"{compiles.compiled} programs compiled ({compiles.seconds:.1f}s), {compiles.loaded} from the "
-              f"compile cache]", file=sys.stderr)
+        print(f"[{report['new_tokens']} tokens in {report['generate_s']:.2f}s: {report['tokens_per_s']:.1f} "
+              f"tokens/s; load {report['load_s']:.2f}s; {report['compiled_programs']} programs compiled "
+              f"({report['compile_s']:.1f}s), {report['programs_from_cache']} from the compile cache]",
+              file=sys.stderr)
     return 0
+
+
+def _generate(args) -> dict | None:
+    """Loads the checkpoint and generates as the flags say; returns the report (None on a
+    process other than 0)."""
+    from . import compile_cache, distributed, sharding
+
+    distributed.from_arguments(args)  # before anything touches a device
+    cache_dir = compile_cache.enable(args.compile_cache)  # before anything compiles
+    import jax
+    import jax.numpy as jnp
+
+    import dsv4_jax
+
+    if not os.path.isdir(args.ckpt):
+        raise ValueError(f"checkpoint directory not found: {args.ckpt}")
+    tok = _tokenizer(args.ckpt, needed=args.prompt is not None)
+    prompts = [tok.encode(args.prompt).ids] if args.prompt is not None else _parse_ids(args.ids)
+    options = {"attention_impl": args.attention_impl}
+    if args.index_cache_freq is not None or args.index_cache_pattern is not None:
+        options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
+                       index_topk_pattern=args.index_cache_pattern,
+                       index_cache_skip_compressor=args.index_cache_skip_compressor)
+    if args.layout is not None and args.mesh is None:
+        raise ValueError("--layout needs --mesh")
+    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+    with compile_cache.CompileCounter() as compiles:
+        t0 = time.perf_counter()
+        model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout, **options)
+        load_s = time.perf_counter() - t0
+        if model.config.use_index_cache:
+            print(dsv4_jax.index_cache_schedule(model.config).describe(), file=sys.stderr)
+        eos = _eos(args, args.ckpt, model.config.eos_token_id)
+        t0 = time.perf_counter()
+        out = dsv4_jax.generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, eos_token_id=eos, seed=args.seed, max_len=args.max_len)
+        gen_s = time.perf_counter() - t0
+    if jax.process_index() != 0:
+        return None
+    n = int(out.lengths.sum())
+    return {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3), "new_tokens": n,
+            "tokens_per_s": round(n / gen_s, 2), "eos_token_id": eos, "mesh": args.mesh,
+            "processes": jax.process_count(), "compiled_programs": compiles.compiled,
+            "programs_from_cache": compiles.loaded, "compile_s": round(compiles.seconds, 3),
+            "compile_cache": cache_dir,
+            "note": "generate_s includes the compilation of generate's programs; compile_s counts the "
+                    "compile requests of load and generate (a program from the compile cache: its load time)",
+            "rows": [{"prompt_ids": p, "ids": r, "text": _decode(tok, r)} for p, r in zip(prompts, out.rows())]}
 
 
 if __name__ == "__main__":

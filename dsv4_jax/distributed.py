@@ -10,7 +10,9 @@ JAX_PROCESS_ID; on TPU pods, Slurm or Open MPI, `initialize(auto=True)` lets JAX
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 
@@ -75,3 +77,19 @@ def add_arguments(parser) -> None:
 def from_arguments(args) -> bool:
     """`initialize` with the CLI flags `add_arguments` declares."""
     return initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Sends what is written to file descriptor 1 to 2 while inside: the host collectives' library
+    (gloo) prints its connection lines on stdout, where a CLI's output (e.g. --json) must stand
+    alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import sampling
-from .cache import init_cache, put_rows, reset_rows, take_rows
+from .cache import put_rows, reset_rows, take_rows
 from .layer_weights import unstack_layers
+from .generate import MIN_PREFILL_CHUNK, chunk_bucket
 from .model import Model, step
 
-MIN_CHUNK = 16
 
 
 class QueueFull(Exception):
@@ -77,11 +77,6 @@ class Request:
         return self.finish_reason is not None
 
 
-def chunk_bucket(n: int, largest: int) -> int:
-    """The compiled chunk length for n tokens: a power of two from MIN_CHUNK up to `largest`."""
-    return min(max(MIN_CHUNK, 1 << (n - 1).bit_length()), largest)
-
-
 class Engine:
     """Continuous batching over `slots` cache rows of `max_len` tokens each (see the module doc).
 
@@ -92,8 +87,8 @@ class Engine:
     def __init__(self, model: Model, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  max_tokens_per_step: int | None = None, max_queue: int = 1024):
         cfg = model.config
-        if slots < 1 or max_len < 2 or prefill_chunk < MIN_CHUNK or max_queue < 1:
-            raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_CHUNK} and max_queue >= 1 are "
+        if slots < 1 or max_len < 2 or prefill_chunk < MIN_PREFILL_CHUNK or max_queue < 1:
+            raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_PREFILL_CHUNK} and max_queue >= 1 are "
                              f"needed, got {slots}, {max_len}, {prefill_chunk}, {max_queue}")
         if prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
@@ -108,8 +103,7 @@ class Engine:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens_per_step}) must hold a prefill chunk "
                              f"({prefill_chunk})")
         self.max_queue = max_queue
-        with model.on_mesh():
-            self.cache = _put_cache(model, init_cache(cfg, self.slots, max_len, model.dtype))
+        self.cache = model.new_cache(self.slots, max_len)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free = list(range(self.slots))
@@ -313,15 +307,6 @@ class Engine:
             return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.slots,
                     "slots_used": len(self.running), "cache_usage": held / (self.slots * self.max_len),
                     **self.counters}
-
-
-def _put_cache(model: Model, cache: dict) -> dict:
-    """The cache on the model's devices (rows split over the mesh's batch axes)."""
-    if model.mesh is None:
-        return cache
-    from .sharding import cache_shardings
-
-    return jax.device_put(cache, cache_shardings(cache, model.mesh, model.config.layout))
 
 
 @partial(jax.jit, static_argnums=(11,), donate_argnums=(1,))

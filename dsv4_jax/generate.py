@@ -1,20 +1,25 @@
-"""`generate`: chunked prefill, then a decode loop inside one `jax.jit` (`lax.while_loop`) over a
-donated cache.
+"""`generate`: every row's prompt prefilled in chunks, then a decode loop inside one `jax.jit`
+(`lax.while_loop`) over a donated cache.
+
+Every row has its own position in the cache (dsv4_jax/cache.py), so a ragged batch prefills each
+row's own prompt: chunk k holds tokens k*C .. (k+1)*C - 1 of every row (C = PREFILL_CHUNK), a row
+whose prompt has ended holds its state (its part of the chunk is padding), and the last chunk is
+cut to the power of two (from MIN_PREFILL_CHUNK) that holds the longest rest. A row's prompt is
+thus cut where it would be cut alone, and each row then decodes from its own position; the
+rows of a batch compute what they compute alone, the same operations in another batch shape
+(fp32: logits equal to about 1e-6, the same greedy tokens; bf16 rounds each product of a batch
+like the lone one's as long as XLA picks the same kernels).
 
 Every shape the compiled programs see comes from a bucket, so requests of nearby sizes reuse
-them: the batch is padded to 1, 2, 4 or 8 rows, then a multiple of 8 (the extra rows are done
-from the start); the cache and the decode loop's token buffer hold max_len tokens, by default
-the first of 128 x (1, 2, 3, 4, 6, 8, 12, 16, ...) that fits the longest prompt plus
-max_new_tokens; the prompts' common prefix, rounded down to a multiple of MIN_PREFILL_CHUNK
-tokens, is prefilled in chunks of 512 tokens and powers of two down to MIN_PREFILL_CHUNK. So a
-(batch, max_len) bucket compiles one decode loop and at most six prefill chunk programs, each
-once.
+them: the batch is padded to 1, 2, 4 or 8 rows, then a multiple of 8 (and of the devices the
+model's mesh splits sequences over; the extra rows are done from the start); the cache and the
+decode loop's token buffer hold max_len tokens, by default the first of 128 x (1, 2, 3, 4, 6, 8,
+12, 16, ...) that fits the longest prompt plus max_new_tokens. So a (batch, max_len) bucket
+compiles one decode loop and at most six prefill chunk programs, each once.
 
-A batch shares one position counter. The prompt tokens past the prefill (the common prefix's
-last few, and each longer row's rest) are fed through the decode loop one step at a time as
-forced tokens (their logits are not sampled). In fp32 a decode step and a prefill chunk compute
-the same logits to about 1e-6, so a row of a batch gives the greedy tokens it gives alone; in
-bf16 the different grouping rounds differently and rows can diverge after a few tokens.
+Sampling draws row b with the seed `seed + b` (dsv4_jax/sampling.py): a row's draws do not
+depend on the rows beside it, and a one-prompt call gives what the serving engine gives for
+that prompt with that seed.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from .cache import init_cache
+from . import sampling
 from .config import ModelConfig
 from .layer_weights import unstack_layers
 from .model import RUNTIME_OPTIONS, Model, step, with_options
@@ -192,91 +198,85 @@ def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0,
     return Request(rows, max_new_tokens, t, top_k, p, eos, seed, max_len)
 
 
-def sample_logits(logits: jnp.ndarray, key: jax.Array, temperature, top_k, top_p) -> jnp.ndarray:
-    """Next tokens `[B]` from fp32 logits `[B, V]`: argmax at temperature 0 (ties: lowest id),
-    else a draw from softmax(logits / temperature) restricted to the top_k most likely tokens
-    (0: all) and to the smallest set whose probability reaches top_p (the most likely token is
-    always kept). All three are traced values: changing them does not recompile."""
-    def greedy():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw():  # the sort and the draw only run when sampling
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-        V = logits.shape[-1]
-        kth = jnp.take_along_axis(ordered, jnp.clip(jnp.where(top_k > 0, top_k, V) - 1, 0, V - 1)
-                                  * jnp.ones((logits.shape[0], 1), jnp.int32), axis=-1)
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each token
-        keep_sorted = (before < top_p) & (ordered >= kth)
-        cutoff = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
-        masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-        return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
-
-    return jax.lax.cond(temperature > 0, draw, greedy)
+def chunk_bucket(n: int, largest: int = PREFILL_CHUNK) -> int:
+    """The compiled chunk length for a chunk of n tokens: a power of two from MIN_PREFILL_CHUNK up
+    to `largest`."""
+    return min(max(MIN_PREFILL_CHUNK, 1 << (n - 1).bit_length()), largest)
 
 
-@partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
-def _prefill(params, cache, ids, cfg, last_only):
-    return step(params, cache, ids, cfg, last_only)
+def prefill_plan(lengths, chunk: int = PREFILL_CHUNK) -> list[tuple[int, np.ndarray]]:
+    """The prefill chunks of prompts of `lengths` `[B]`: (compiled chunk length, tokens of each row
+    in it `[B]`), chunk k holding tokens k*chunk .. of every row."""
+    lengths = np.asarray(lengths)
+    plan, start = [], 0
+    while start < lengths.max():
+        n = np.clip(lengths - start, 0, chunk).astype(np.int32)
+        plan.append((chunk_bucket(int(n.max()), chunk), n))
+        start += chunk
+    return plan
 
 
-@partial(jax.jit, static_argnums=(8,), donate_argnums=(1,))
-def _decode_loop(params, cache, logits, buf, lengths, done, max_new, key, cfg, temperature, top_k, top_p, eos):
-    """Feeds one token per row per iteration until every row is done or the buffer is full.
+@partial(jax.jit, static_argnums=(6,), donate_argnums=(1,))
+def _prefill(params, cache, ids, n_valid, ends, logits, cfg):
+    """A chunk ids `[B, T]` (n_valid `[B]` real tokens per row) into the cache. logits fp32 `[B, V]`:
+    each row's logits after its last prompt token so far, replaced for the rows whose prompt
+    `ends` (bool `[B]`) in this chunk. Returns (logits, cache)."""
+    last, cache = step(params, cache, ids, cfg, True, n_valid=n_valid)
+    return jnp.where(ends[:, None], last[:, 0], logits), cache
+
+
+@partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
+def _decode_loop(params, cache, logits, buf, done, max_new, seeds, sampling_params, eos, cfg):
+    """Samples a token per row from `logits` fp32 `[B, V]` and feeds it back, until every row is
+    done: at one of the stop ids `eos` int32 `[K]` (-1: none) or after max_new tokens.
 
     params: as `unstack_layers` gives them (on CPU: the large layer weights split per layer,
-    once per generate call, outside this program). logits fp32 `[B, V]`: the prefill's last
-    position (read only when a row samples at the cache's position). buf int32 `[B, total]`
-    holds the prompts and receives the generated tokens; lengths int32 `[B]` the prompts'
-    lengths; done bool `[B]` the rows that take no part (batch padding); eos int32 `[K]` the
-    stop ids (-1: none). Returns (buf, tokens generated per row, the cache)."""
-    B, total = buf.shape
-
-    def cond(s):
-        cache, _, _, _, done, _ = s
-        return (cache["pos"][0] < total) & ~jnp.all(done)
+    once per generate call, outside this program). buf int32 `[B, max_len]` holds the prompts
+    and receives each row's tokens at its positions (the cache's `pos`); done bool `[B]`: rows
+    that take no part (batch padding); seeds uint32 `[B]`; sampling_params (temperature, top_k,
+    top_p). Returns (buf, tokens generated per row, the cache)."""
+    B = buf.shape[0]
+    rows = jnp.arange(B)
 
     def body(s):
-        cache, logits, buf, n_gen, done, key = s
-        p = cache["pos"][0]
-        key, sub = jax.random.split(key)
-        forced = p < lengths
-        tok = jnp.where(forced, buf[:, p], sample_logits(logits, sub, temperature, top_k, top_p))
-        generating = ~forced & ~done
+        cache, logits, buf, n_gen, done = s
+        tok = sampling.sample(logits, sampling.row_keys(seeds, n_gen), *sampling_params)
         tok = jnp.where(done, 0, tok)
-        buf = buf.at[:, p].set(tok)
-        n_gen = n_gen + generating
-        stop = jnp.any(tok[:, None] == eos[None, :], axis=-1)
-        done = done | (generating & stop) | (n_gen >= max_new)
-        logits, cache = step(params, cache, tok[:, None], cfg, True)
-        return cache, logits[:, 0], buf, n_gen, done, key
+        buf = buf.at[rows, jnp.where(done, buf.shape[1], cache["pos"])].set(tok, mode="drop")
+        n_gen = n_gen + ~done
+        done = done | jnp.any(tok[:, None] == eos[None, :], axis=-1) | (n_gen >= max_new)
+        logits, cache = step(params, cache, tok[:, None], cfg, True, n_valid=(~done).astype(jnp.int32))
+        return cache, logits[:, 0], buf, n_gen, done
 
-    n_gen = jnp.zeros((B,), jnp.int32)
-    state = (cache, logits, buf, n_gen, done, key)
-    cache, _, buf, n_gen, _, _ = jax.lax.while_loop(cond, body, state)
+    state = (cache, logits, buf, jnp.zeros((B,), jnp.int32), done)
+    cache, _, buf, n_gen, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, state)
     return buf, n_gen, cache  # the cache is returned so that the donated input buffers alias it
 
 
-def prefill_chunks(length: int, chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Chunk sizes covering `length` tokens: full chunks, then powers of two, so a handful of
-    compiled shapes serve every length."""
-    sizes = [chunk] * (length // chunk)
-    rest = length % chunk
-    bit = 1 << max(rest.bit_length() - 1, 0)
-    while rest:
-        if rest >= bit:
-            sizes.append(bit)
-            rest -= bit
-        bit >>= 1
-    return sizes
+def prefill(model: Model, params: dict, cfg: ModelConfig, prompts: np.ndarray, lengths: np.ndarray, max_len: int,
+            chunk: int = PREFILL_CHUNK):
+    """Every row's prompt (`prompts` int32 `[B, >= max(lengths)]`) into a new cache of max_len on the
+    model's devices. Returns (each row's logits after its last prompt token fp32 `[B, V]`, the cache)."""
+    B = len(lengths)
+    with model.on_mesh():
+        cache = model.new_cache(B, max_len, cfg)
+        logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+        start = 0
+        for T, n in prefill_plan(lengths, chunk):
+            ids = np.zeros((B, T), np.int32)
+            width = min(T, prompts.shape[1] - start)
+            ids[:, :width] = prompts[:, start: start + width]
+            ends = (lengths > start) & (lengths <= start + chunk)
+            logits, cache = _prefill(params, cache, ids, n, ends, logits, cfg)
+            start += chunk
+    return logits, cache
 
 
-def _eos_ids(eos: tuple[int, ...]) -> jnp.ndarray:
+def _eos_ids(eos: tuple[int, ...]) -> np.ndarray:
     """The stop ids as int32 `[K]`, K = EOS_SLOTS or the next power of two above it (padded
     with -1, which no token equals), so that none, one or a few ids share the compiled loop."""
     k = max(EOS_SLOTS, 1 << max(len(eos) - 1, 0).bit_length())
-    return jnp.asarray(list(eos) + [-1] * (k - len(eos)), jnp.int32)
+    return np.asarray(list(eos) + [-1] * (k - len(eos)), np.int32)
 
 
 _PARAMETERS = ("model", "prompts", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "seed",
@@ -304,27 +304,21 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     cfg = with_options(model.config, **options)
     req = validate_request(prompts, cfg, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, max_len)
-    B, Bb = len(req.rows), batch_bucket(len(req.rows))
-    common = min(map(len, req.rows))
-    lengths = np.full((Bb,), common, np.int32)  # the padding rows: done from the start
+    B, Bb = len(req.rows), model.batch_rows(batch_bucket(len(req.rows)))
+    lengths = np.zeros((Bb,), np.int32)  # the padding rows: no prompt, done from the start
     buf = np.zeros((Bb, req.max_len), np.int32)
     for b, r in enumerate(req.rows):
         lengths[b] = len(r)
         buf[b, : len(r)] = r
 
     params = unstack_layers(model.params)
-    cache = init_cache(cfg, Bb, req.max_len, model.dtype)
-    logits = jnp.zeros((Bb, cfg.vocab_size), jnp.float32)  # unread without a prefill: every row is forced first
-    pos = 0
-    for size in prefill_chunks(common - common % MIN_PREFILL_CHUNK):
-        last, cache = _prefill(params, cache, jnp.asarray(buf[:, pos: pos + size]), cfg, True)
-        logits = last[:, 0]
-        pos += size
-    out, n_gen, _ = _decode_loop(
-        params, cache, logits, jnp.asarray(buf), jnp.asarray(lengths), jnp.asarray(np.arange(Bb) >= B),
-        jnp.int32(req.max_new_tokens), jax.random.PRNGKey(req.seed), cfg, jnp.float32(req.temperature),
-        jnp.int32(req.top_k), jnp.float32(req.top_p), _eos_ids(req.eos))
-    out, n_gen = np.asarray(out), np.asarray(n_gen)
+    logits, cache = prefill(model, params, cfg, buf, lengths, req.max_len, PREFILL_CHUNK)
+    seeds = ((req.seed + np.arange(Bb)) % 2 ** 32).astype(np.uint32)
+    sampling_params = (np.float32(req.temperature), np.int32(req.top_k), np.float32(req.top_p))
+    with model.on_mesh():
+        out, n_gen, _ = _decode_loop(params, cache, logits, buf, np.arange(Bb) >= B, np.int32(req.max_new_tokens),
+                                     seeds, sampling_params, _eos_ids(req.eos), cfg)
+        out, n_gen = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (out, n_gen))
     tokens = np.zeros((B, req.max_new_tokens), np.int32)
     for b in range(B):
         tokens[b, : n_gen[b]] = out[b, lengths[b]: lengths[b] + n_gen[b]]

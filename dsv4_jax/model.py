@@ -414,6 +414,16 @@ class Model:
         n = 1 if self.mesh is None else self.config.layout.shards(sharding.BATCH, self.mesh)
         return -(-B // n) * n
 
+    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None) -> dict:
+        """An empty cache of `rows` sequences of up to max_len tokens on the model's devices (rows
+        split over the mesh's batch axes). cfg: the config with this call's options (default the
+        model's)."""
+        cfg = self.config if cfg is None else cfg
+        cache = init_cache(cfg, rows, max_len, self.dtype)
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, sharding.cache_shardings(cache, self.mesh, cfg.layout))
+
     def place_rows(self, x):
         """x `[B, ...]` on the devices, split by rows when on a mesh."""
         if self.mesh is None:

@@ -2,6 +2,10 @@ import gc
 import os
 import sys
 
+# The tests run on the CPU (the AOT tests compile for TPU / GPU without initialising those
+# platforms); without this, an installed libtpu / CUDA plugin logs its failed start-up on every
+# process, the CLIs' subprocesses included.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight host devices for the mesh tests (fixed when jax starts); single-device code runs on the first.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -21,3 +25,13 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# What an installed CUDA plugin (the `aot` extra) prints on a machine without CUDA when any jax
+# process starts, before our code runs; not ours to silence.
+_PLUGIN_NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
+
+
+def stderr_lines(text: str) -> list[str]:
+    """A subprocess's stderr lines, without the CUDA plugin's start-up lines."""
+    return [line for line in text.splitlines() if not any(n in line for n in _PLUGIN_NOISE)]

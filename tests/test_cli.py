@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import stderr_lines
 from hf_oracle import TINY
 
 import dsv4_jax
@@ -104,7 +105,7 @@ def test_damaged_directory_cli(native, tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout) == [1] * len(dirs)
-    lines = r.stderr.splitlines()
+    lines = stderr_lines(r.stderr)
     assert len(lines) == len(dirs), r.stderr
     for line, d, (_, message) in zip(lines, dirs, DAMAGE.values()):
         assert line.startswith("dsv4-generate: error: ") and d in line

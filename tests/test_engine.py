@@ -6,16 +6,18 @@ so the argmax agrees. The engine cuts prompts at multiples of its prefill chunk 
 (both at 32 here).
 """
 
+import importlib
+
 import jax
 import numpy as np
 import pytest
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax import generate as generate_module
 from dsv4_jax.engine import Engine, QueueFull
 
 SLOTS, CHUNK, MAX_LEN = 4, 32, 384
+generate_module = importlib.import_module("dsv4_jax.generate")  # the module (dsv4_jax.generate is the function)
 
 
 @pytest.fixture(scope="module")

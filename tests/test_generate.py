@@ -18,7 +18,8 @@ import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.cache import cache_bytes, init_cache
 from dsv4_jax.compile_cache import CompileCounter
-from dsv4_jax.generate import _decode_loop, batch_bucket, length_bucket, prefill_chunks, sample_logits
+from dsv4_jax.generate import _decode_loop, batch_bucket, length_bucket, prefill_plan
+from dsv4_jax.sampling import sample
 from dsv4_jax import layer_weights
 from dsv4_jax.layer_weights import PerExpert, PerLayer, unstack_layers
 from dsv4_jax.model import forward, step
@@ -94,10 +95,9 @@ def test_chunked_prefill_equals_one_pass(tiny, chunks):
 
 def test_ragged_batch_rows_equal_alone(tiny):
     """The README's statement, in fp32: each row of a ragged batch (here 3 rows, padded to a
-    bucket of 4) gives the greedy tokens it gives alone, although its prompt tokens past the
-    batch's common prefix go through one-token decode steps where alone they are prefilled
-    (the 33-token row: 32 prefilled alone, 1 in the batch; a decode step and a prefill chunk
-    agree to about 1e-6: test_decode_logits_equal_full_forward)."""
+    bucket of 4) gives the greedy tokens it gives alone. Every row's prompt is prefilled at its own
+    positions (the 1- and 7-token rows hold while the 33-token row's chunk runs), then the rows
+    decode from their own positions."""
     cfg, params = tiny
     model = dsv4_jax.Model(params, cfg)
     rng = np.random.default_rng(3)
@@ -109,7 +109,7 @@ def test_ragged_batch_rows_equal_alone(tiny):
 
 def test_requests_in_one_bucket_compile_nothing_new(tiny):
     """Batch, max_len and the decode loop's buffer come from buckets: after two requests of a
-    bucket (4 rows, max_len 128; one with a 16-token prefill chunk), others with new prompt
+    bucket (4 rows, max_len 128; prefill chunks of 32 and 128), others with new prompt
     lengths (the issue's [[1,2,3],[4,5]] -> [[1,2,3,7],[4,5]], with a third row here), a new
     max_new_tokens, 3 or 4 rows, other sampling settings and stop ids compile no program. A
     request in a new bucket does compile, which shows that the count sees compilations."""
@@ -120,8 +120,8 @@ def test_requests_in_one_bucket_compile_nothing_new(tiny):
     def ids(*lengths):
         return [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in lengths]
 
-    dsv4_jax.generate(model, ids(3, 2, 20), 8)  # common prefix 2: no prefill
-    dsv4_jax.generate(model, ids(16, 40, 50), 8)  # common prefix 16: one 16-token chunk
+    dsv4_jax.generate(model, ids(3, 2, 20), 8)  # one prefill chunk of 32 (20 tokens and less per row)
+    dsv4_jax.generate(model, ids(16, 40, 100), 8)  # one of 128
     with CompileCounter() as c:
         dsv4_jax.generate(model, ids(4, 2, 20), 8)
         dsv4_jax.generate(model, ids(4, 2, 20), 9)
@@ -171,8 +171,9 @@ def test_sampling_is_reproducible(tiny):
 
 def _draws(logits, n, **kw):
     keys = jax.random.split(jax.random.PRNGKey(0), n)
-    fn = jax.jit(jax.vmap(lambda k: sample_logits(logits, k, *kw.values())))
-    return np.asarray(fn(keys))[:, 0]
+    fn = jax.jit(lambda keys: sample(jnp.broadcast_to(logits, (n, logits.shape[-1])), jax.random.key_data(keys),
+                                     *kw.values()))
+    return np.asarray(fn(keys))
 
 
 def test_top_k_top_p_on_the_distribution():
@@ -272,9 +273,9 @@ def test_decode_has_no_cache_sized_copy():
     assert "scatter" in hlo or "dynamic-update-slice" in hlo
     assert _cache_copies(hlo, cache) == []
     i32, f32 = jnp.int32, jnp.float32
-    loop = _decode_loop.lower(params, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 64), i32),
-                              jnp.ones((2,), i32), jnp.zeros((2,), bool), i32(8), jax.random.PRNGKey(0), cfg, f32(0),
-                              i32(0), f32(1), jnp.full((1,), -1, i32)).compile().as_text()
+    loop = _decode_loop.lower(params, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 1024), i32),
+                              jnp.zeros((2,), bool), i32(8), jnp.zeros((2,), jnp.uint32), (f32(0), i32(0), f32(1)),
+                              jnp.full((1,), -1, i32), cfg).compile().as_text()
     assert _cache_copies(loop, cache) == []
 
 
@@ -375,10 +376,9 @@ def test_cpu_decode_reads_weights_in_place(monkeypatch):
         params, cache, jnp.zeros((2, 1), i32), cfg, True).compile().as_text()
     copied = _weight_copies(stepped, shapes)  # the stacked layout does copy layers and experts out
     assert any("gather" in c for c in copied) and any("gather" not in c for c in copied)
-    loop = _decode_loop.lower(split, cache, jnp.zeros((2, cfg.vocab_size), f32),
-                              jnp.zeros((2, 64), i32), jnp.ones((2,), i32), jnp.zeros((2,), bool), i32(8),
-                              jax.random.PRNGKey(0), cfg, f32(0), i32(0), f32(1),
-                              jnp.full((1,), -1, i32)).compile().as_text()
+    loop = _decode_loop.lower(split, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 1024), i32),
+                              jnp.zeros((2,), bool), i32(8), jnp.zeros((2,), jnp.uint32), (f32(0), i32(0), f32(1)),
+                              jnp.full((1,), -1, i32), cfg).compile().as_text()
     assert _weight_copies(loop, shapes) == []
 
 
@@ -394,7 +394,12 @@ def test_cache_bytes_follow_kinds():
     assert b["total"] == sum(x.nbytes for x in jax.tree.leaves(real)) - 4  # minus the position counter
 
 
-def test_prefill_chunks_cover_lengths():
-    for n in (1, 7, 512, 513, 1500):
-        sizes = prefill_chunks(n)
-        assert sum(sizes) == n and all(s & (s - 1) == 0 for s in sizes)
+def test_prefill_plan_cuts_each_row_as_alone():
+    """Chunk k holds tokens k*512 .. of every row; the compiled length is the power of two (from
+    16) that holds the chunk's longest part."""
+    plan = prefill_plan([1, 7, 513, 1500])
+    assert [T for T, _ in plan] == [512, 512, 512]
+    assert [n.tolist() for _, n in plan] == [[1, 7, 512, 512], [0, 0, 1, 512], [0, 0, 0, 476]]
+    assert [T for T, _ in prefill_plan([5])] == [16] and [T for T, _ in prefill_plan([40, 3])] == [64]
+    for lengths in ([1], [7, 300], [512, 1024, 1], [1500]):
+        assert np.array_equal(sum(n for _, n in prefill_plan(lengths)), lengths)

@@ -65,6 +65,26 @@ def test_logits_equal_one_device(native, single, layout, shape):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.fixture(scope="module")
+def greedy_alone(single):
+    """A ragged batch crossing ratio-4 and ratio-128 boundaries in its prompts (130 tokens) and
+    while decoding, and its greedy tokens on one device."""
+    rng = np.random.default_rng(7)
+    prompts = [list(map(int, rng.integers(0, single.config.vocab_size, n))) for n in (3, 40, 130, 9)]
+    return prompts, dsv4_jax.generate(single, prompts, 12).rows()
+
+
+@pytest.mark.parametrize("layout", sorted(sharding.PRESETS))
+@pytest.mark.parametrize("shape", MESHES, ids=MESH_IDS)
+def test_generate_equals_one_device(native, greedy_alone, layout, shape):
+    """generate on the mesh: the batch padded to whole sequences per device, every row prefilled
+    and decoded at its own positions with the cache split by rows and donated: the same greedy
+    tokens as on one device."""
+    prompts, want = greedy_alone
+    model = dsv4_jax.load(native, mesh=sharding.make_mesh(shape), layout=layout)
+    assert dsv4_jax.generate(model, prompts, 12).rows() == want
+
+
 def _shard_rows(arr, axis):
     """The sizes of each device's piece of `arr` along `axis`, device by device."""
     return {s.device.id: s.data.shape[axis] for s in arr.addressable_shards}
