@@ -70,34 +70,45 @@ def row_positions(p0, batch: int) -> jnp.ndarray:
     return jnp.broadcast_to(jnp.asarray(p0, jnp.int32), (batch,))
 
 
-def window_indices(p0: jnp.ndarray, T: int, window: int) -> jnp.ndarray:
-    """`[B, T, W]` int32 indices into [ring (W rows) | chunk (T rows)] for p0 `[B]`: for the query at
-    p0 + i the positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot s % W, from p0 on
-    the chunk row s - p0; -1 before position 0."""
+def window_indices(p0: jnp.ndarray, T: int, window: int, ring: int) -> jnp.ndarray:
+    """`[B, T, W]` int32 indices into [ring (`ring` >= W rows) | chunk (T rows)] for p0 `[B]`: for the
+    query at p0 + i the positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot
+    s % ring, from p0 on the chunk row s - p0; -1 before position 0."""
     p0 = p0[:, None, None]
     s = p0 + jnp.arange(T, dtype=jnp.int32)[:, None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, :]
-    idx = jnp.where(s < p0, s % window, window + s - p0)
+    idx = jnp.where(s < p0, s % ring, ring + s - p0)
     return jnp.where(s >= 0, idx, -1)
+
+
+def ring_writes(p0: jnp.ndarray, n_valid: jnp.ndarray, T: int, ring: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Which of a chunk's T rows go into a ring of `ring` slots (position s in slot s % ring): each
+    row's last min(T, ring) real tokens. Returns (their chunk rows, clipped to 0, and their slots,
+    `ring` (out of range: not written) where a row has fewer real tokens), int32 `[B, min(T, ring)]`."""
+    k = min(T, ring)
+    rows = n_valid[:, None] - k + jnp.arange(k, dtype=jnp.int32)
+    slots = jnp.where(rows >= 0, (p0[:, None] + rows) % ring, ring)
+    return jnp.clip(rows, 0), slots
 
 
 def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
                    ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None,
                    n_valid: jnp.ndarray | None = None):
-    """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its carried state.
+    """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its state.
 
-    state_a/z fp32 `[B, coff * ratio, C]` (coff = 2 with overlap): row b's projections of positions
-    base .. p0-1, base = (p0 // ratio - coff + 1) * ratio (rows from p0 on are don't-cares).
+    state_a/z fp32 `[B, S, C]` (S >= coff * ratio, coff = 2 with overlap): a ring of each row's
+    projections (`ape` included in z), position s in slot s % S. The blocks a chunk pools read
+    the positions of the previous block (with overlap) and the current one below p0 from it;
+    positions before 0 count as missing (weight 0). Slots of other positions are never read, so a
+    ring larger than coff * ratio lets a step write positions past those it keeps (speculative
+    drafts) without touching what later steps read.
     n_valid int32 `[B]` (default T): row b's real tokens, the first n_valid[b] of its chunk; the
-    rest are padding, which completes no block and only reaches the state's don't-care rows.
+    rest are padding, which completes no block.
     Returns (entries `[B, n, d]`, row b's entry i being entry p0[b] // ratio + i, i < n =
     (T + ratio - 1) // ratio, zero where i >= n_new[b]; n_new int32 `[B]`, the blocks each row
-    completes; the new state). A decode step (T = 1) without overlap returns only the token's row
-    of the new state, `[B, 1, C]`, for row p0 % ratio: the rest is unchanged (or, once the block
-    completes, don't-cares), and rewriting the whole state (128 rows) every step took about 1 ms
-    of a batch-8 flash-mini step. A decode step with overlap returns the whole state, unchanged
-    for a row without a token.
-    With `layer`, state_a/z are the kind's stacks `[n, B, coff * ratio, C]`, read at that layer only
-    where the state is used: such a decode step reads it only when a row completes a block (a
+    completes; the chunk's projections a, z fp32 `[B, T, C]`, for the caller to write into the
+    ring: `ring_writes`).
+    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`, read at that layer only where
+    the state is used: a decode step (T = 1) reads it only when some row completes a block (a
     slice taken before the `lax.cond` is copied out of the stack on every step).
     """
     B, T, _ = x.shape
@@ -109,34 +120,37 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
     a = dense(xf, cp["wkv"].astype(jnp.float32))
     z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
-    offset = (coff - 1) * ratio + p0 % ratio  # [B] the chunk's first row in each row's span
-
-    def state():
-        if layer is None:
-            return state_a, state_z
-        return tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (state_a, state_z))
-
-    if T == 1:  # decode: the token's row falls inside the state (its block, and the previous one);
-        # selected in, not written in place, which would make XLA copy the cache's state first
-        def span():
-            at = ((jnp.arange(coff * ratio) == offset[:, None]) & (n_valid > 0)[:, None])[..., None]
-            return tuple(jnp.where(at, new, old) for new, old in zip((a, z), state()))
-    else:  # per row, a span of positions base .. base + (coff + n) * ratio - 1: the state, then the chunk
-        def place(st, new, off, fill):
-            row = jnp.full(((coff + n) * ratio, st.shape[-1]), fill, jnp.float32).at[: coff * ratio].set(st)
-            return jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0)
-
-        state_a, state_z = state()
-        span_a = jax.vmap(place, in_axes=(0, 0, 0, None))(state_a, a, offset, 0.0)
-        span_z = jax.vmap(place, in_axes=(0, 0, 0, None))(state_z, z, offset, -jnp.inf)
-
     first = p0 // ratio
     n_new = (p0 + n_valid) // ratio - first
+    base = (first - coff + 1) * ratio  # [B] the span's first position: the previous block, or the current one
+
+    def span():
+        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the ring
+        (0 and -inf before position 0), then the chunk from row p0 - base."""
+        sa, sz = state_a, state_z
+        if layer is not None:
+            sa, sz = (jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (sa, sz))
+        held = base[:, None] + jnp.arange(coff * ratio, dtype=jnp.int32)  # [B, coff * ratio] positions
+        slots = (held % sa.shape[1])[..., None]
+        missing = (held < 0)[..., None]
+        old_a = jnp.where(missing, 0.0, jnp.take_along_axis(sa, slots, axis=1))
+        old_z = jnp.where(missing, -jnp.inf, jnp.take_along_axis(sz, slots, axis=1))
+
+        def place(old, new, off, fill):
+            row = jnp.concatenate([old, jnp.full((n * ratio, old.shape[-1]), fill, jnp.float32)])
+            return jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0)
+
+        offset = p0 - base
+        return (jax.vmap(place, in_axes=(0, 0, 0, None))(old_a, a, offset, 0.0),
+                jax.vmap(place, in_axes=(0, 0, 0, None))(old_z, z, offset, -jnp.inf))
+
     blocks = slice((coff - 1) * ratio, (coff - 1 + n) * ratio)
     prev = slice(0, ratio) if coff == 2 else None
     cos, sin = cos_sin((first[:, None] + jnp.arange(n)) * ratio, freqs)  # [B, n, rope/2]
 
-    def pool(span_a, span_z):
+    def pool():
+        span_a, span_z = span()
+
         def kernel(a, z, norm, cos, sin, *previous):  # previous: (prev_a, prev_z) with overlap
             return pallas_kernels.compress(a, z, norm, cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
                                            prev_a=previous[0] if previous else None,
@@ -151,17 +165,10 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
 
     if T == 1:  # decode completes a row's block on one step in `ratio`: pool only when some row does
         d = cp["norm"].shape[-1]
-        # (the span built inside the branch, so that only a completing step reads the state)
-        entries = jax.lax.cond(jnp.any(n_new > 0), lambda: pool(*span()), lambda: jnp.zeros((B, n, d), x.dtype))
-        if coff == 1:  # without overlap a completed block leaves only don't-cares: the row is all
-            return entries, n_new, a, z
-        # with overlap a completed block moves the state on by a block: the token's block becomes
-        # the previous one
-        done = (n_new > 0)[:, None, None]
-        new_a, new_z = (jnp.where(done, jnp.roll(s, -ratio, axis=1), s) for s in span())
-        return entries, n_new, new_a, new_z
-    keep = jax.vmap(lambda s, start: jax.lax.dynamic_slice_in_dim(s, start, coff * ratio, axis=0))
-    return pool(span_a, span_z), n_new, keep(span_a, n_new * ratio), keep(span_z, n_new * ratio)
+        entries = jax.lax.cond(jnp.any(n_new > 0), pool, lambda: jnp.zeros((B, n, d), x.dtype))
+    else:
+        entries = pool()
+    return entries, n_new, a, z
 
 
 def _over_pool(pool: jnp.ndarray, new: jnp.ndarray, first_new: jnp.ndarray, axis: int) -> jnp.ndarray:
@@ -221,9 +228,10 @@ def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
 def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
            comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """Attention of the chunk's queries q `[B, T, H, Dh]` (row b at positions p0[b] ..) over their
-    window (ring `[B, W, Dh]`, slot s % W holding position s < p0; the chunk's own rows kv
-    `[B, T, Dh]`) and, for compressed layers, the rows comp_idx `[B, T, Kc]` (-1: none) of
-    comp_rows `[B, Nc, Dh]`; one softmax with the per-head sink.
+    window of cfg.sliding_window positions (ring `[B, R, Dh]`, R >= the window, slot s % R
+    holding position s < p0; the chunk's own rows kv `[B, T, Dh]`) and, for compressed layers,
+    the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
+    per-head sink.
 
     Decode (T = 1) and the Pallas kernels take the index form: one row of indices per query into
     [ring | chunk | compressed rows] (`pallas_kernels.sparse_attention`). A chunk on the plain
@@ -231,14 +239,14 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     dense products over blocks of consecutive queries (`_window_blocked`): gathering W rows of
     Dh per query costs several times more than the matmuls on CPU.
     """
-    T, W = q.shape[1], ring.shape[1]
+    T, R = q.shape[1], ring.shape[1]
     p0 = row_positions(p0, q.shape[0])
 
     def indexed():
-        idx = window_indices(p0, T, W)
+        idx = window_indices(p0, T, cfg.sliding_window, R)
         rows = [ring, kv]
         if comp_rows is not None:
-            idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + W + T, -1)], axis=-1)
+            idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + R + T, -1)], axis=-1)
             rows.append(comp_rows)
         run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
                                       impl=cfg.attention_impl),
@@ -247,7 +255,7 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
         return run(q, jnp.concatenate(rows, axis=1), idx, sink)
 
     def blocked():
-        return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5)
+        return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
 
     if T == 1:
         return indexed()
@@ -255,19 +263,18 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
 
 
-def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale):
-    """`attend` for T > 1 in plain XLA, fp32. Row b's window keys, in position order, are
+def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale, W):
+    """`attend` for T > 1 in plain XLA, fp32, window W. Row b's window keys, in position order, are
     seq = [ring by position (p0[b] - W ..) | chunk], row m at position p0[b] - W + m; the query at
     chunk row i is seq row W + i and sees seq rows i + 1 .. i + W. Queries go in blocks of
     Bq = min(T, W): block n sees the Bq + W rows from seq row n * Bq, one matmul per block."""
     B, T, H, D = q.shape
-    W = ring.shape[1]
     p0 = row_positions(p0, B)
     bq = min(T, W)
     nb = -(-T // bq)
     tp = nb * bq
     f32 = jnp.float32
-    slots = (p0[:, None] + jnp.arange(W, dtype=jnp.int32)) % W
+    slots = (p0[:, None] - W + jnp.arange(W, dtype=jnp.int32)) % ring.shape[1]
     ring_by_pos = jnp.take_along_axis(ring, slots[..., None], axis=1)
     seq = jnp.concatenate([ring_by_pos, kv, jnp.zeros((B, tp - T, D), kv.dtype)], axis=1).astype(f32)
     k1 = bq + W

@@ -1,26 +1,32 @@
 """Decode state, grouped per layer kind like the parameters, with static shapes set by `max_len`.
 
-    pos            int32 [B]                tokens already in each row (rows advance independently)
+Every row (sequence) has its own position, and everything of it is addressed by position: the
+window's K=V rows and the compressors' projections in rings (position s in slot s % size), the
+compressed entries in pools (entry j in row j). `lookahead` (default 0) widens the rings by the
+positions a step may write beyond those it keeps (speculative decoding: drafts that a
+verification rejects); a row's position then simply stays before them, and they are overwritten
+later, before anything reads those slots.
+
+    pos            int32 [B]                tokens already in each row
     window (window-only layers, n of them):
-      ring         [n, B, W, Dh]            sliding-window K=V rows; position s in slot s % W
+      ring         [n, B, W + la, Dh]           sliding-window K=V rows
     csa (ratio-4 layers):
-      ring         [n, B, W, Dh]
+      ring         [n, B, W + la, Dh]
       pool         [n, B, max_len // 4, Dh]     compressed entries, entry j in row j
-      state_a/z    [n, B, 8, 2 Dh]  fp32        projections of the previous complete block (rows 0-3)
-                                                and of the current one (rows 4-7); z includes `ape`
+      state_a/z    [n, B, 8 + la, 2 Dh]  fp32   projections of the recent positions (the previous
+                                                block and the current one); z includes `ape`
     indexer (ratio-4 layers that run their indexer's compressor: all of them, or only those that
              compute their top-k under IndexCache with index_cache_skip_compressor):
       pool         [n, B, max_len // 4, dI]     the indexer's keys
-      state_a/z    [n, B, 8, 2 dI]  fp32
+      state_a/z    [n, B, 8 + la, 2 dI]  fp32
     hca (ratio-128 layers):
-      ring         [n, B, W, Dh]
+      ring         [n, B, W + la, Dh]
       pool         [n, B, max_len // 128, Dh]
-      state_a/z    [n, B, 128, Dh]  fp32        projections of the current block
+      state_a/z    [n, B, 128 + la, Dh]  fp32   projections of the current block's positions
 
-Block states start at (0, -inf): a missing previous block gets softmax weight 0. A block's rows
-are only read once the block is complete, so rows past the current position hold don't-cares.
-Likewise a row reads only ring slots and pool entries it wrote itself (positions below its own),
-so a row is reset by its position and its block states alone (`reset_rows`).
+A row reads only slots and entries of positions below its own that it wrote itself (positions
+before 0 count as missing: a block before the first gets softmax weight 0), so a row is reset by
+setting its position to 0 (`reset_rows`), and rows past a position hold don't-cares.
 """
 
 from __future__ import annotations
@@ -52,54 +58,41 @@ def indexer_state_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return s.computing if cfg.index_cache_skip_compressor else s.csa_layers
 
 
-def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
-    """Nested dict of (shape, dtype) with the cache's structure."""
-    Dh, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0) -> dict:
+    """Nested dict of (shape, dtype) with the cache's structure (see the module doc)."""
+    Dh, dI, R = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window + lookahead
     f32 = jnp.float32
     spec: dict = {"pos": ((batch,), jnp.int32)}
     n0, n4, n128 = (len(cfg.layers_of_ratio(r)) for r in (WINDOW, CSA, HCA))
     if n0:
-        spec["window"] = {"ring": ((n0, batch, W, Dh), dtype)}
+        spec["window"] = {"ring": ((n0, batch, R, Dh), dtype)}
     if n4:
-        p = pool_rows(max_len, CSA)
-        spec["csa"] = {"ring": ((n4, batch, W, Dh), dtype), "pool": ((n4, batch, p, Dh), dtype),
-                       "state_a": ((n4, batch, 8, 2 * Dh), f32), "state_z": ((n4, batch, 8, 2 * Dh), f32)}
+        p, s = pool_rows(max_len, CSA), 2 * CSA + lookahead
+        spec["csa"] = {"ring": ((n4, batch, R, Dh), dtype), "pool": ((n4, batch, p, Dh), dtype),
+                       "state_a": ((n4, batch, s, 2 * Dh), f32), "state_z": ((n4, batch, s, 2 * Dh), f32)}
         ni = len(indexer_state_layers(cfg))
         if ni:
-            spec["indexer"] = {"pool": ((ni, batch, p, dI), dtype), "state_a": ((ni, batch, 8, 2 * dI), f32),
-                               "state_z": ((ni, batch, 8, 2 * dI), f32)}
+            spec["indexer"] = {"pool": ((ni, batch, p, dI), dtype), "state_a": ((ni, batch, s, 2 * dI), f32),
+                               "state_z": ((ni, batch, s, 2 * dI), f32)}
     if n128:
-        spec["hca"] = {"ring": ((n128, batch, W, Dh), dtype), "pool": ((n128, batch, pool_rows(max_len, HCA), Dh), dtype),
-                       "state_a": ((n128, batch, HCA, Dh), f32), "state_z": ((n128, batch, HCA, Dh), f32)}
+        p, s = pool_rows(max_len, HCA), HCA + lookahead
+        spec["hca"] = {"ring": ((n128, batch, R, Dh), dtype), "pool": ((n128, batch, p, Dh), dtype),
+                       "state_a": ((n128, batch, s, Dh), f32), "state_z": ((n128, batch, s, Dh), f32)}
     return spec
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """An empty cache for `batch` sequences of up to `max_len` tokens."""
-    def make(name, shape, dt):
-        if name.endswith("state_z"):
-            return jnp.full(shape, -jnp.inf, dt)
-        return jnp.zeros(shape, dt)
-
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, lookahead: int = 0) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (see the module doc)."""
     def walk(spec):
-        return {k: make(k, *v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
+        return {k: jnp.zeros(*v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
 
-    return walk(cache_spec(cfg, batch, max_len, dtype))
+    return walk(cache_spec(cfg, batch, max_len, dtype, lookahead))
 
 
 def reset_rows(cache: dict, rows: jnp.ndarray) -> dict:
-    """The cache with the rows where `rows` (bool `[B]`) is set emptied: position 0 and fresh block
-    states; the others as they were."""
-    def reset(path, leaf):
-        name = path[-1].key
-        if name == "pos":
-            return jnp.where(rows, 0, leaf)
-        if name.startswith("state_"):
-            fresh = -jnp.inf if name == "state_z" else 0.0
-            return jnp.where(rows[None, :, None, None], fresh, leaf)
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(reset, cache)
+    """The cache with the rows where `rows` (bool `[B]`) is set emptied (position 0: nothing they
+    hold is read again); the others as they were."""
+    return {**cache, "pos": jnp.where(rows, 0, cache["pos"])}
 
 
 def take_rows(cache: dict, rows: jnp.ndarray) -> dict:
@@ -113,10 +106,10 @@ def put_rows(cache: dict, rows: jnp.ndarray, sub: dict) -> dict:
             jax.tree.map(lambda a, b: a.at[:, rows].set(b), cache[k], v) for k, v in sub.items()}
 
 
-def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16) -> dict:
+def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16, lookahead: int = 0) -> dict:
     """Bytes of a cache per layer kind (window rings included; the indexer's keys count as
     ratio-4): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""
-    spec = cache_spec(cfg, batch, max_len, dtype)
+    spec = cache_spec(cfg, batch, max_len, dtype, lookahead)
 
     def size(s):
         if isinstance(s, tuple):

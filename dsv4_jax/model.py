@@ -106,8 +106,6 @@ class _Chunk(NamedTuple):
     n_valid: jnp.ndarray  # int32 [B]: each row's real tokens (the rest of its T are padding)
     rope: jnp.ndarray  # fp32 [2 (window-only, compressed), 2 (cos, sin), B, T, rope/2]
     compress_freqs: jnp.ndarray  # [rope/2]
-    ring_rows: jnp.ndarray  # int32 [B, min(T, W)]: the chunk rows each row keeps in its window ring
-    ring_slots: jnp.ndarray  # int32 [B, min(T, W)]: their ring slots (W: none)
 
 
 class _LayerInput(NamedTuple):
@@ -145,31 +143,21 @@ class _Step:
         out = {}
         for k, v in self.cache_shapes[group].items():
             if k.startswith("state_"):
-                rows = 1 if _state_row(group, T) else v.shape[2]
-                out[k] = jnp.zeros((B, rows) + v.shape[3:], v.dtype)
+                out[k] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
             elif k == "ring":
-                out["ring_rows"] = jnp.zeros((B, self.chunk.ring_rows.shape[1], v.shape[-1]), v.dtype)
+                out["kv"] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
             elif k == "pool":
                 ratio = HCA if group == "hca" else CSA
                 out["entries"] = jnp.zeros((B, (T + ratio - 1) // ratio, v.shape[-1]), v.dtype)
                 out["n_new"] = jnp.zeros((B,), jnp.int32)
         return out
 
-    def ring_payload(self, kv: jnp.ndarray) -> jnp.ndarray:
-        """The chunk rows `[B, min(T, W), Dh]` each row keeps in its window ring."""
-        return jnp.take_along_axis(kv, self.chunk.ring_rows[..., None], axis=1)
-
-
-def _state_row(group: str, T: int) -> bool:
-    """Whether the group's state payload is one row (decode without overlap: compress_chunk)."""
-    return T == 1 and group == "hca"
-
 
 def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A window-only layer: its ring and the chunk."""
     ring = take_layer(caches["window"]["ring"], lay.local)
     o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
-    return o, last_ids, ctx.payloads({"window": {"ring_rows": ctx.ring_payload(lay.kv)}}), jnp.float32(jnp.nan)
+    return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), jnp.float32(jnp.nan)
 
 
 def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: bool):
@@ -180,8 +168,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
     entries, n_new, sa, sz = attention.compress_chunk(
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
-    out = {"csa": {"ring_rows": ctx.ring_payload(lay.kv), "entries": entries, "n_new": n_new,
-                   "state_a": sa, "state_z": sz}}
+    out = {"csa": {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}}
     overlap = jnp.float32(jnp.nan)
 
     def own_selection():
@@ -229,7 +216,7 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(c["pool"], entries, ch.p0 // HCA)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"ring_rows": ctx.ring_payload(lay.kv), "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
+    payload = {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
     return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
 
 
@@ -246,29 +233,23 @@ def _writers(cfg: ModelConfig) -> dict:
 
 def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> dict:
     """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
-    dropped), each row at its own position: ring rows at their slots, state rows (a decode step's
-    one row at slot p0 % ratio, else the whole state), the entries the row completed at their ids."""
+    dropped), each row at its own positions: the chunk's K=V rows and compressor projections into
+    their rings (`attention.ring_writes`), the entries the row completed at their ids."""
     out = dict(stacks)
     B = chunk.p0.shape[0]
-    rows = jnp.arange(B)[:, None]
     T = chunk.rope.shape[3]
+    b = jnp.arange(B)[:, None]
+    for k, rows in (("ring", "kv"), ("state_a", "state_a"), ("state_z", "state_z")):
+        if k in stacks:
+            which, slots = attention.ring_writes(chunk.p0, chunk.n_valid, T, stacks[k].shape[2])
+            values = jnp.take_along_axis(payload[rows], which[..., None], axis=1)
+            out[k] = stacks[k].at[target, b, slots].set(values.astype(stacks[k].dtype), mode="drop")
     ratio = _RATIO_OF[group]
-    if "ring" in stacks:
-        out["ring"] = stacks["ring"].at[target, rows, chunk.ring_slots].set(payload["ring_rows"], mode="drop")
-    for k in stacks:
-        if not k.startswith("state_"):
-            continue
-        if _state_row(group, T):
-            R = stacks[k].shape[2]
-            slot = jnp.where(chunk.n_valid > 0, chunk.p0 % ratio, R)[:, None]
-            out[k] = stacks[k].at[target, rows, slot].set(payload[k], mode="drop")
-        else:
-            out[k] = stacks[k].at[target].set(payload[k], mode="drop")
     if ratio is not None:
         pool = stacks["pool"]
         i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, pool.shape[2])
-        out["pool"] = pool.at[target, rows, at].set(payload["entries"], mode="drop")
+        out["pool"] = pool.at[target, b, at].set(payload["entries"], mode="drop")
     return out
 
 
@@ -310,14 +291,10 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
 def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig) -> _Chunk:
     p0 = cache["pos"]
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
-    W = cfg.sliding_window
     window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
     positions = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
     rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
-    n_keep = min(T, W)
-    keep = n_valid[:, None] - n_keep + jnp.arange(n_keep, dtype=jnp.int32)  # a row's last n_keep real tokens
-    slots = jnp.where(keep >= 0, (p0[:, None] + keep) % W, W)
-    return _Chunk(p0, n_valid, rope, compress_freqs, jnp.clip(keep, 0), slots)
+    return _Chunk(p0, n_valid, rope, compress_freqs)
 
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,

@@ -735,8 +735,8 @@ def test_chunk_attention_equals_the_indexed_form(n_rows, K, in_use, p0):
     comp, idx = jnp.asarray(comp), jnp.asarray(idx)
     scale = D ** -0.5
     p0 = jnp.asarray(p0, jnp.int32)
-    got = ours_attn._window_blocked(q, ring, kv, comp, idx, sink, p0, scale)
-    window = ours_attn.window_indices(p0, T, W)
+    got = ours_attn._window_blocked(q, ring, kv, comp, idx, sink, p0, scale, W)
+    window = ours_attn.window_indices(p0, T, W, W)
     every = jnp.concatenate([window, jnp.where(idx >= 0, idx + W + T, -1)], axis=-1)
     want = sparse_attention_ref(q, jnp.concatenate([ring, kv, jnp.nan_to_num(comp)], axis=1), every, sink,
                                 scale=scale)
