@@ -8,11 +8,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
 from .model import Model, with_options
-from .params import leaf_dtype, map_spec, param_spec
+from .params import _get, leaf_dtype, map_spec, param_spec
 from .quantized import QuantizedWeight
 
 PARAMS_DIR = "params"
@@ -277,17 +278,17 @@ def _flatten_mtp(tree: dict, leaves: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_mtp(path: str | os.PathLike) -> dict:
-    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by
-    their checkpoint names, as numpy arrays (quantized ones of a native conversion dequantized
-    to float32)."""
-    import ml_dtypes
+def _converted_mtp_sources(path: str) -> dict:
+    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by their
+    checkpoint names, as `convert.load_hf.Source`s: "raw" (the stored array), or, from a native
+    conversion, "fp8" (e4m3 values, float32 scale values) / "fp4" (packed values, E8M0 scale
+    bytes). {} without an `mtp/`."""
     import orbax.checkpoint as ocp
 
-    from convert import quant
+    from convert.load_hf import Source
     from convert.store import read_custom_metadata
 
-    d = os.path.abspath(os.path.join(os.fspath(path), MTP_DIR))
+    d = os.path.abspath(os.path.join(path, MTP_DIR))
     if not os.path.isdir(d):
         return {}
     _checkpoint_metadata(d)
@@ -302,10 +303,127 @@ def load_mtp(path: str | os.PathLike) -> dict:
     for name, v in _flatten_mtp(tree, leaves).items():
         kind = leaves.get(name, {}).get("kind")
         if kind == "fp8":
-            out[name] = quant.dequantize_fp8(np.asarray(v["values"]), np.asarray(v["scale"]))
+            out[name] = Source("fp8", np.asarray(v["values"]), np.asarray(v["scale"]))
         elif kind == "fp4":
-            out[name] = quant.dequantize_fp4(np.asarray(v["values"]).view(np.int8),
-                                             np.asarray(v["scale"]).view(ml_dtypes.float8_e8m0fnu))
+            out[name] = Source("fp4", np.asarray(v["values"]).view(np.int8), np.asarray(v["scale"]).view(np.uint8))
         else:
-            out[name] = np.asarray(v)
+            out[name] = Source("raw", np.asarray(v), None)
     return out
+
+
+def load_mtp(path: str | os.PathLike) -> dict:
+    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by
+    their checkpoint names, as numpy arrays (quantized ones of a native conversion dequantized
+    to float32)."""
+    return {name: src.data if src.fmt == "raw" else src.dense(np.float32)
+            for name, src in _converted_mtp_sources(os.fspath(path)).items()}
+
+
+def _hf_mtp_sources(path: str) -> dict:
+    """The `mtp.*` tensors of an HF checkpoint directory as `convert.load_hf.Source`s (a quantized
+    weight with its scale, header-checked: convert.load_hf.check_tensor)."""
+    from convert.load_hf import read_source
+    from convert.names import is_mtp
+    from convert.safetensors_io import CheckpointError, scan_checkpoint
+
+    entries = scan_checkpoint(path)
+    out = {}
+    for name, entry in entries.items():
+        if not is_mtp(name):
+            continue
+        if name.endswith((".scale", ".weight_scale_inv")):
+            weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name[: -len("_scale_inv")]
+            if weight not in entries:
+                raise CheckpointError(f"{entry.path}: unexpected tensor {name!r} (a scale without its weight "
+                                      f"{weight!r})")
+            continue
+        out[name] = read_source(name, entries)
+    return out
+
+
+def load_mtp_params(path: str | os.PathLike, dtype=jnp.float32) -> dict:
+    """The multi-token-prediction block `mtp.0` of the checkpoint in `path` as the parameter tree
+    of dsv4_jax/mtp.py (run it with `mtp.mtp_step`, beside the model `load(path)` gives: the block
+    shares its embed and head).
+
+    `path` is read as `load` reads it: a `dsv4-convert` directory (its `mtp/`) or an HF checkpoint
+    directory (official names, with or without a leading `model.`). `dtype` is the compute dtype
+    of the weights; norms, hyper-connections, the sink and the gate stay float32. From a `--dtype
+    native` conversion the leaves mtp.NATIVE_QUANT names that the checkpoint stores quantized
+    come back as `QuantizedWeight`s (stored values and scales, dequantized inside the matmuls),
+    as `load` does for the main layers: e_proj, h_proj and the attention and shared-expert
+    linears FP8, the routed experts FP4; attn.wo_a is dequantized (as the main layers'). From an
+    HF directory every weight is dequantized exactly to `dtype`, as `load` does.
+
+    Raises CheckpointError naming the problem for a checkpoint without MTP tensors, and for a
+    missing, unexpected, duplicated or misshapen one."""
+    from convert.safetensors_io import CheckpointError
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    cfg = ModelConfig.from_hf(path)
+    converted = is_converted(path)
+    sources = _converted_mtp_sources(path) if converted else _hf_mtp_sources(path)
+    if not sources:
+        raise CheckpointError(f"{path}: the checkpoint has no MTP tensors (mtp.0.*; its config says "
+                              f"num_nextn_predict_layers {cfg.num_nextn_predict_layers})")
+    return _mtp_tree(sources, cfg, dtype, path, keep_quantized=converted)
+
+
+def _mtp_tree(sources: dict, cfg: ModelConfig, dtype, where: str, keep_quantized: bool) -> dict:
+    """The block's tree from its tensors by checkpoint name (`convert.load_hf.Source`s), each
+    checked against mtp.checkpoint_names / mtp.mtp_param_spec."""
+    from convert.safetensors_io import CheckpointError
+
+    from . import mtp
+    from .quantized import storage_shapes
+
+    names = mtp.checkpoint_names(cfg)
+    spec = mtp.mtp_param_spec(cfg)
+    parts: dict[tuple, dict[tuple, tuple]] = {}  # tree path -> {index: (name, Source)}
+    for name, src in sources.items():
+        official = name.removeprefix("model.")
+        if official not in names:
+            raise CheckpointError(f"{where}: unexpected MTP tensor {name!r} (not part of the block mtp.0 "
+                                  f"this config describes)")
+        path, index = names[official]
+        if index in parts.get(path, {}):
+            raise CheckpointError(f"{where}: MTP tensor {name!r} appears twice in the checkpoint")
+        shape = tuple(_get(spec, path)[0][len(index):])
+        got = tuple(src.data.shape)
+        if src.fmt == "fp4":
+            got = got[:-1] + (2 * got[-1],)
+        if got != shape:
+            raise CheckpointError(f"{where}: MTP tensor {name!r} has shape {list(got)}, the config expects "
+                                  f"{list(shape)}")
+        if src.fmt == "raw" and src.data.dtype.kind in "iub":
+            raise CheckpointError(f"{where}: MTP tensor {name!r} has dtype {src.data.dtype}, a float is expected")
+        if src.fmt != "raw":
+            want = storage_shapes(shape, src.fmt)["scale"][0]
+            if tuple(src.scale.shape) != tuple(want):
+                raise CheckpointError(f"{where}: the scale of MTP tensor {name!r} has shape "
+                                      f"{list(src.scale.shape)}, its {src.fmt.upper()} weight needs {list(want)}")
+        parts.setdefault(path, {})[index] = (name, src)
+    missing = [n for n, (path, index) in names.items() if index not in parts.get(path, {})]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{where}: missing MTP tensors {missing[:5]}{more}")
+
+    def build(path, leaf):
+        indices = sorted(parts[path])
+        items = [parts[path][i][1] for i in indices]
+
+        def join(arrays):  # a routed-expert weight's experts stacked in id order, any other leaf as it is
+            return arrays[0] if indices == [()] else np.stack(arrays)
+
+        fmt = mtp.NATIVE_QUANT.get(path)
+        if keep_quantized and fmt is not None and all(s.fmt == fmt for s in items):
+            values = join([s.data.view(np.uint8) if fmt == "fp4" else s.data for s in items])
+            return QuantizedWeight(jnp.asarray(values), jnp.asarray(join([s.scale for s in items])), fmt=fmt,
+                                   dtype_name=jnp.dtype(dtype).name)
+        target = leaf_dtype(leaf[1], dtype)
+        return jnp.asarray(join([s.dense(ml_dtypes.bfloat16 if target == jnp.bfloat16 else target) for s in items]),
+                           target)
+
+    return map_spec(build, spec)

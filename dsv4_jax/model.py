@@ -288,17 +288,57 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     return (h, new, last_ids), overlap
 
 
+def _rows_valid(n_valid, B: int, T: int) -> jnp.ndarray:
+    """n_valid as int32 `[B]` (None: every row's T tokens are real)."""
+    return jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+
+
 def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig) -> _Chunk:
     p0 = cache["pos"]
-    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+    n_valid = _rows_valid(n_valid, B, T)
     window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
     positions = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
     rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
     return _Chunk(p0, n_valid, rope, compress_freqs)
 
 
+def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
+               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False):
+    """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
+    streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
+    `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
+    `[B, T, hc, D]`, the cache with the chunk added, per-layer reuse overlaps `[L]` as `step`'s
+    measure_reuse). The MTP block (dsv4_jax/mtp.py) runs its one layer through here too, as the
+    stack of a one-layer model."""
+    B, T = input_ids.shape
+    sched = LayerSchedule.of(cfg)
+    cache = sharding.constrain_cache(cfg, cache)
+    stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
+    chunk = _chunk(cache, B, T, n_valid, cfg)
+    ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
+                measure_reuse)
+    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
+          jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
+          jnp.asarray(sched.route_local))
+    k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
+    last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
+    (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    return h, {"pos": chunk.p0 + chunk.n_valid, **stacks}, overlaps
+
+
+def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,
+              cfg: ModelConfig) -> jnp.ndarray:
+    """The head on hidden streams h `[B, T, hc, D]`: the hyper-connection head (`hc_head_params`
+    {fn, base, scale}), RMSNorm with `norm`, then the fp32 projection on `head` `[V, D]` -> fp32
+    `[B, T, V]`. The MTP block applies it with its own hc head and norm and the shared head."""
+    y = hc_head(h, hc_head_params["fn"], hc_head_params["base"], hc_head_params["scale"],
+                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    y = rms_norm(y, norm, cfg.rms_norm_eps)
+    return dense(y.astype(jnp.float32), head.astype(jnp.float32))
+
+
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
-         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None):
+         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False):
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
@@ -308,37 +348,28 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only; the cache with the
     chunk added). Prefill (any T, chunks of any size) and decode (T = 1) are the same
     computation; the caller keeps pos + n_valid <= max_len. With measure_reuse, IndexCache's
-    reusing layers also compute their own top-k (not used) and a third output `[L]` gives, per
+    reusing layers also compute their own top-k (not used) and a further output `[L]` gives, per
     layer, the mean fraction of its own selection that the reused one contains (NaN for layers
-    that do not reuse).
+    that do not reuse). With return_hidden (static, like last_only) a last output gives the final
+    hidden streams `[B, T, hc, D]` before the hyper-connection head at every position of the
+    chunk (also with last_only): what the MTP block (dsv4_jax/mtp.py) takes as `hidden`.
     """
     B, T = input_ids.shape
-    sched = LayerSchedule.of(cfg)
-    cache = sharding.constrain_cache(cfg, cache)
-    stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
-    chunk = _chunk(cache, B, T, n_valid, cfg)
-    ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
-                measure_reuse)
-
     x = params["embed"][input_ids]
     h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
                            (sharding.BATCH, None, None, None))
-    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
-          jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
-          jnp.asarray(sched.route_local))
-    k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
-    last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    hidden, new_cache, overlaps = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse)
+    h = hidden
     if last_only:
-        h = jnp.take_along_axis(h, jnp.clip(chunk.n_valid - 1, 0)[:, None, None, None], axis=1)
-    y = hc_head(h, params["hc_head"]["fn"], params["hc_head"]["base"], params["hc_head"]["scale"],
-                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-    y = rms_norm(y, params["norm"], cfg.rms_norm_eps)
-    logits = dense(y.astype(jnp.float32), params["head"].astype(jnp.float32))
-    new_cache = {"pos": chunk.p0 + chunk.n_valid, **stacks}
+        last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
+    logits = lm_logits(h, params["hc_head"], params["norm"], params["head"], cfg)
+    out = (logits, new_cache)
     if measure_reuse:
-        return logits, new_cache, overlaps
-    return logits, new_cache
+        out += (overlaps,)
+    if return_hidden:
+        out += (hidden,)
+    return out
 
 
 def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:

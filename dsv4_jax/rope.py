@@ -72,4 +72,8 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool
     out_re = re * cos - im * sin
     out_im = im * cos + re * sin
     rotated = jnp.stack([out_re, out_im], axis=-1).reshape(rope.shape).astype(x.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(x, rotated, start, axis=-1)
+    # Concatenated, not written over x's last dims with dynamic_update_slice: XLA:CPU (jaxlib
+    # 0.10.2) fuses that write in place into x's buffer with the rotation inside the same loop,
+    # so a pair's second element reads its first one already rotated (seen as wrong queries in
+    # the decode step of a layer stack of one kind, e.g. the MTP block's).
+    return jnp.concatenate([x[..., :start], rotated], axis=-1)
