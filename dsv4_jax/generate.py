@@ -43,15 +43,18 @@ from .model import RUNTIME_OPTIONS, Model, step, with_options
 PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 16
 EOS_SLOTS = 8
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
     """tokens int32 `[B, max_new_tokens]` (row b's first lengths[b] are generated, the rest 0);
-    lengths int32 `[B]` (an eos token, when produced, is included)."""
+    lengths int32 `[B]` (an eos token, when produced, is included); speculation: with
+    speculative_tokens, the counters of `speculation_stats`, else None."""
 
     tokens: np.ndarray
     lengths: np.ndarray
+    speculation: dict | None = None
 
     def rows(self) -> list[list[int]]:
         return [list(map(int, t[:n])) for t, n in zip(self.tokens, self.lengths)]
@@ -86,6 +89,7 @@ class Request:
     eos: tuple[int, ...]  # () for none
     seed: int
     max_len: int
+    speculative_tokens: int = 0
 
 
 def _is_integer(x) -> bool:
@@ -142,9 +146,10 @@ def _prompt_rows(prompts) -> list[list[int]]:
 
 
 def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
-                     eos_token_id=None, seed=0, max_len=None) -> Request:
+                     eos_token_id=None, seed=0, max_len=None, speculative_tokens=0) -> Request:
     """`generate`'s arguments checked against the model, before anything compiles: ValueError
-    for a bad value, TypeError for a bad type, each naming the argument."""
+    for a bad value, TypeError for a bad type, each naming the argument. With speculative_tokens
+    k, the cache holds k positions more (a verification writes k past the last token it keeps)."""
     rows = _prompt_rows(prompts)
     if not rows:
         raise ValueError("prompts is empty: give at least one prompt")
@@ -178,12 +183,16 @@ def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0,
     seed = _integer(seed, "seed")
     if not -(2 ** 63) <= seed < 2 ** 63:
         raise ValueError(f"seed must fit in 64 bits, got {seed}")
+    k = _integer(speculative_tokens, "speculative_tokens")
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_tokens must be between 0 (off) and {MAX_SPECULATIVE_TOKENS}, got {k}")
     longest = max(map(len, rows))
-    need = longest + max_new_tokens
+    need = longest + max_new_tokens + k
     if max_len is None:
         if need > limit:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
-                             f"model's max_position_embeddings ({limit})")
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens})"
+                             + (f" + speculative_tokens ({k})" if k else "")
+                             + f" = {need} exceeds the model's max_position_embeddings ({limit})")
         max_len = min(length_bucket(need), limit)
     else:
         max_len = _integer(max_len, "max_len")
@@ -193,9 +202,9 @@ def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0,
         if longest > max_len:
             raise ValueError(f"a prompt of {longest} tokens is longer than max_len={max_len}")
         if need > max_len:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
-                             f"max_len={max_len}")
-    return Request(rows, max_new_tokens, t, top_k, p, eos, seed, max_len)
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens})"
+                             + (f" + speculative_tokens ({k})" if k else "") + f" = {need} exceeds max_len={max_len}")
+    return Request(rows, max_new_tokens, t, top_k, p, eos, seed, max_len, k)
 
 
 def chunk_bucket(n: int, largest: int = PREFILL_CHUNK) -> int:
@@ -253,6 +262,18 @@ def _decode_loop(params, cache, logits, buf, done, max_new, seeds, sampling_para
     return buf, n_gen, cache  # the cache is returned so that the donated input buffers alias it
 
 
+def prefill_chunks(prompts: np.ndarray, lengths: np.ndarray, chunk: int = PREFILL_CHUNK):
+    """The chunks `prefill_plan` cuts prompts (int32 `[B, >= max(lengths)]`) into: (ids `[B, T]`,
+    each row's real tokens in it `[B]`, the rows whose prompt ends in it `[B]`)."""
+    start = 0
+    for T, n in prefill_plan(lengths, chunk):
+        ids = np.zeros((len(lengths), T), np.int32)
+        width = min(T, prompts.shape[1] - start)
+        ids[:, :width] = prompts[:, start: start + width]
+        yield ids, n, (lengths > start) & (lengths <= start + chunk)
+        start += chunk
+
+
 def prefill(model: Model, params: dict, cfg: ModelConfig, prompts: np.ndarray, lengths: np.ndarray, max_len: int,
             chunk: int = PREFILL_CHUNK):
     """Every row's prompt (`prompts` int32 `[B, >= max(lengths)]`) into a new cache of max_len on the
@@ -261,14 +282,8 @@ def prefill(model: Model, params: dict, cfg: ModelConfig, prompts: np.ndarray, l
     with model.on_mesh():
         cache = model.new_cache(B, max_len, cfg)
         logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-        start = 0
-        for T, n in prefill_plan(lengths, chunk):
-            ids = np.zeros((B, T), np.int32)
-            width = min(T, prompts.shape[1] - start)
-            ids[:, :width] = prompts[:, start: start + width]
-            ends = (lengths > start) & (lengths <= start + chunk)
+        for ids, n, ends in prefill_chunks(prompts, lengths, chunk):
             logits, cache = _prefill(params, cache, ids, n, ends, logits, cfg)
-            start += chunk
     return logits, cache
 
 
@@ -280,22 +295,25 @@ def _eos_ids(eos: tuple[int, ...]) -> np.ndarray:
 
 
 _PARAMETERS = ("model", "prompts", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "seed",
-               "max_len")
+               "max_len", "speculative_tokens")
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0, max_len: int | None = None,
-             **options) -> GenerateOutput:
+             speculative_tokens: int = 0, **options) -> GenerateOutput:
     """Continues each prompt by up to max_new_tokens tokens.
 
     prompts: a list of token-id lists (ragged; a row may be a 1-D integer array) or an int array
     `[B, S]`. Greedy at temperature 0, else sampling with top_k (0: off, at most the vocabulary)
     / top_p; a row stops at eos_token_id (one id, or a list: any of them). max_len sizes the
     cache (default: the longest prompt plus max_new_tokens, rounded up to a bucket; see the
-    module docstring). Invalid input raises ValueError (TypeError for a wrong type or an unknown
-    keyword) before anything compiles. `options` override the model's run-time options for this
-    call (e.g. use_index_cache=True, index_topk_freq=2; see `load`).
+    module docstring). speculative_tokens k > 0 decodes with k drafts a round from the
+    checkpoint's MTP block (`load(..., mtp=True)`; dsv4_jax/speculative.py): greedy output is the
+    same, sampled output has the same distribution, and `speculation` says what was accepted.
+    Invalid input raises ValueError (TypeError for a wrong type or an unknown keyword) before
+    anything compiles. `options` override the model's run-time options for this call (e.g.
+    use_index_cache=True, index_topk_freq=2; see `load`).
     """
     unknown = sorted(set(options) - set(RUNTIME_OPTIONS))
     if unknown:
@@ -303,23 +321,58 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
         raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     cfg = with_options(model.config, **options)
-    req = validate_request(prompts, cfg, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, max_len)
+    req = validate_request(prompts, cfg, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, max_len,
+                           speculative_tokens)
+    if req.speculative_tokens and model.mtp is None:
+        raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with "
+                         "dsv4_jax.load(path, mtp=True)")
+    return run_request(model, cfg, req)
+
+
+def run_request(model: Model, cfg: ModelConfig, req: Request, forced=None) -> GenerateOutput:
+    """`generate` on a checked request. forced (speculation only): drafts from a known
+    continuation instead of the block (`speculative.Forced`, padded to the request's rows)."""
     B, Bb = len(req.rows), model.batch_rows(batch_bucket(len(req.rows)))
     lengths = np.zeros((Bb,), np.int32)  # the padding rows: no prompt, done from the start
     buf = np.zeros((Bb, req.max_len), np.int32)
     for b, r in enumerate(req.rows):
         lengths[b] = len(r)
         buf[b, : len(r)] = r
-
     params = unstack_layers(model.params)
-    logits, cache = prefill(model, params, cfg, buf, lengths, req.max_len, PREFILL_CHUNK)
     seeds = ((req.seed + np.arange(Bb)) % 2 ** 32).astype(np.uint32)
     sampling_params = (np.float32(req.temperature), np.int32(req.top_k), np.float32(req.top_p))
+    done, max_new, eos = np.arange(Bb) >= B, np.int32(req.max_new_tokens), _eos_ids(req.eos)
+    k, counters = req.speculative_tokens, None
+    if k:
+        from . import speculative
+
+        if forced is not None:  # the padding rows draft anything
+            forced = speculative.Forced(*(np.pad(np.asarray(a), [(0, Bb - B)] + [(0, 0)] * (np.ndim(a) - 1))
+                                          for a in forced))
+
+        logits, cache, mtp_cache, carry = speculative.prefill(model, params, cfg, buf, lengths, req.max_len, k)
+        with model.on_mesh():
+            out, n_gen, counters, _, _ = speculative.decode_loop(params, model.mtp, cache, mtp_cache, logits, carry,
+                                                                 buf, done, max_new, seeds, sampling_params, eos, k,
+                                                                 cfg, forced)
+    else:
+        logits, cache = prefill(model, params, cfg, buf, lengths, req.max_len, PREFILL_CHUNK)
+        with model.on_mesh():
+            out, n_gen, _ = _decode_loop(params, cache, logits, buf, done, max_new, seeds, sampling_params, eos, cfg)
     with model.on_mesh():
-        out, n_gen, _ = _decode_loop(params, cache, logits, buf, np.arange(Bb) >= B, np.int32(req.max_new_tokens),
-                                     seeds, sampling_params, _eos_ids(req.eos), cfg)
         out, n_gen = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (out, n_gen))
     tokens = np.zeros((B, req.max_new_tokens), np.int32)
     for b in range(B):
         tokens[b, : n_gen[b]] = out[b, lengths[b]: lengths[b] + n_gen[b]]
-    return GenerateOutput(tokens=tokens, lengths=n_gen[:B].astype(np.int32))
+    return GenerateOutput(tokens=tokens, lengths=n_gen[:B].astype(np.int32),
+                          speculation=None if counters is None else speculation_stats(counters))
+
+
+def speculation_stats(counters: dict) -> dict:
+    """A speculative run's counters (`speculative.decode_loop`) with the acceptance figures:
+    acceptance_rate = accepted / draft tokens, acceptance_length = 1 + accepted / drafts (tokens
+    per main-model step of a row), accepted_per_position[i] = drafts whose draft i was kept."""
+    c = {k: np.asarray(v).tolist() for k, v in counters.items()}
+    c["acceptance_rate"] = c["accepted_tokens"] / max(c["draft_tokens"], 1)
+    c["acceptance_length"] = 1 + c["accepted_tokens"] / max(c["drafts"], 1)
+    return c

@@ -37,7 +37,7 @@ def is_converted(path: str | os.PathLike) -> bool:
 
 def load(path: str | os.PathLike, dtype=jnp.float32,
          sharding: jax.sharding.Sharding | Callable[[str, tuple], jax.sharding.Sharding] | None = None,
-         mesh: jax.sharding.Mesh | None = None, layout=None, **options) -> Model:
+         mesh: jax.sharding.Mesh | None = None, layout=None, mtp: bool = False, **options) -> Model:
     """Loads the model in `path`: either a directory written by `dsv4-convert` (config.json plus
     the Orbax checkpoint `params/`, restored through Orbax), or an HF checkpoint directory holding `config.json` and
     safetensors (single file or sharded with `model.safetensors.index.json`; official or
@@ -55,6 +55,8 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     mesh: every array is read straight onto its sharding under `layout` (a preset name of
     dsv4_jax/sharding.py, default "dp_attention", or a `sharding.Layout`; quantized weights split
     like their float forms), and the returned model's programs run on that mesh.
+    `mtp=True` also loads the checkpoint's MTP block (`load_mtp_params`, on the mesh's devices
+    under the layout like a main layer) into `Model.mtp`, for speculative decoding.
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -74,6 +76,13 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     elif layout is not None:
         raise ValueError("`layout` needs a `mesh`")
     model = _load(path, cfg, dtype, sharding)
+    if mtp:
+        block = load_mtp_params(path, dtype)
+        if mesh is not None:
+            from . import sharding as sh
+
+            block = jax.device_put(block, sh.mtp_shardings(block, mesh, cfg.layout))
+        model = model.replace(mtp=block)
     return model if mesh is None else model.replace(mesh=mesh)
 
 

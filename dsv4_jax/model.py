@@ -398,11 +398,13 @@ class Model:
     """A DeepSeek-V4 model: `logits = model(input_ids)` for int32 `[B, S]` -> fp32 `[B, S, V]`.
 
     On a device mesh (`load(..., mesh=)`), `mesh` is set, `config.layout` says where every array
-    lives (dsv4_jax/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`."""
+    lives (dsv4_jax/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`. With
+    `load(..., mtp=True)`, `mtp` holds the checkpoint's MTP block (speculative decoding)."""
 
     params: dict
     config: ModelConfig = struct.field(pytree_node=False)
     mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
+    mtp: dict | None = None  # the MTP block's parameters (dsv4_jax/mtp.py), for speculative decoding
 
     def __call__(self, input_ids) -> jnp.ndarray:
         ids = np.asarray(input_ids, np.int32)
@@ -422,12 +424,12 @@ class Model:
         n = 1 if self.mesh is None else self.config.layout.shards(sharding.BATCH, self.mesh)
         return -(-B // n) * n
 
-    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None) -> dict:
+    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None, lookahead: int = 0) -> dict:
         """An empty cache of `rows` sequences of up to max_len tokens on the model's devices (rows
         split over the mesh's batch axes). cfg: the config with this call's options (default the
-        model's)."""
+        model's); lookahead: as `cache.init_cache`."""
         cfg = self.config if cfg is None else cfg
-        cache = init_cache(cfg, rows, max_len, self.dtype)
+        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead)
         if self.mesh is None:
             return cache
         return jax.device_put(cache, sharding.cache_shardings(cache, self.mesh, cfg.layout))

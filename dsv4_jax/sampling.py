@@ -17,6 +17,37 @@ def row_keys(seeds: jnp.ndarray, drawn: jnp.ndarray) -> jnp.ndarray:
     return jax.vmap(lambda s, n: jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(s), n)))(seeds, drawn)
 
 
+def _restricted(logits: jnp.ndarray, t, k, p) -> jnp.ndarray:
+    """One row's logits `[V]` / t with every token outside the top k (0: all) and outside the
+    smallest set whose probability reaches p set to -inf (the most likely token is always kept)."""
+    V = logits.shape[-1]
+    scaled = logits / jnp.maximum(t, 1e-6)
+    ordered = jnp.sort(scaled)[::-1]
+    kth = ordered[jnp.clip(jnp.where(k > 0, k, V) - 1, 0, V - 1)]
+    probs = jax.nn.softmax(ordered)
+    before = jnp.cumsum(probs) - probs  # probability mass strictly above each token
+    cutoff = jnp.min(jnp.where((before < p) & (ordered >= kth), ordered, jnp.inf))
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def _params(B: int, temperature, top_k, top_p):
+    return tuple(jnp.broadcast_to(jnp.asarray(a), (B,)) for a in (temperature, top_k, top_p))
+
+
+def distribution(logits: jnp.ndarray, temperature, top_k, top_p) -> jnp.ndarray:
+    """The distribution `sample` draws from, fp32 `[B, V]`: one-hot on the argmax at temperature 0,
+    else softmax(logits / temperature) restricted by top_k and top_p (see `sample`)."""
+    B, V = logits.shape
+    t, k, p = _params(B, temperature, top_k, top_p)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+
+    def drawn():
+        probs = jax.nn.softmax(jax.vmap(_restricted)(logits, t, k, p), axis=-1)
+        return jnp.where((t > 0)[:, None], probs, greedy)
+
+    return jax.lax.cond(jnp.any(t > 0), drawn, lambda: greedy)
+
+
 def sample(logits: jnp.ndarray, keys: jnp.ndarray, temperature, top_k, top_p) -> jnp.ndarray:
     """Next tokens int32 `[B]` from fp32 logits `[B, V]`.
 
@@ -25,22 +56,14 @@ def sample(logits: jnp.ndarray, keys: jnp.ndarray, temperature, top_k, top_p) ->
     (0: all) and to the smallest set whose probability reaches top_p[b] (the most likely token is
     always kept). temperature, top_k, top_p: `[B]` or scalars; traced, so changing them does not
     recompile. The sort only runs when some row samples."""
-    B, V = logits.shape
-    t, k, p = (jnp.broadcast_to(jnp.asarray(a), (B,)) for a in (temperature, top_k, top_p))
+    B = logits.shape[0]
+    t, k, p = _params(B, temperature, top_k, top_p)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def draw_row(row, key, t, k, p):
-        scaled = row / jnp.maximum(t, 1e-6)
-        ordered = jnp.sort(scaled)[::-1]
-        kth = ordered[jnp.clip(jnp.where(k > 0, k, V) - 1, 0, V - 1)]
-        probs = jax.nn.softmax(ordered)
-        before = jnp.cumsum(probs) - probs  # probability mass strictly above each token
-        cutoff = jnp.min(jnp.where((before < p) & (ordered >= kth), ordered, jnp.inf))
-        masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-        return jax.random.categorical(jax.random.wrap_key_data(key), masked).astype(jnp.int32)
-
     def draw():
-        drawn = jax.vmap(draw_row)(logits, keys, t, k, p)
-        return jnp.where(t > 0, drawn, greedy)
+        def one(row, key, t, k, p):
+            return jax.random.categorical(jax.random.wrap_key_data(key), _restricted(row, t, k, p)).astype(jnp.int32)
+
+        return jnp.where(t > 0, jax.vmap(one)(logits, keys, t, k, p), greedy)
 
     return jax.lax.cond(jnp.any(t > 0), draw, lambda: greedy)

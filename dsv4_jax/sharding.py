@@ -201,6 +201,12 @@ def param_shardings(params, mesh, layout: Layout):
     return _named(param_axes, params, mesh, layout)
 
 
+def mtp_shardings(block, mesh, layout: Layout):
+    """NamedShardings for the MTP block's tree (dsv4_jax/mtp.py): its leaves are named and shaped as
+    a main layer's, so they split as `layers.*` do."""
+    return _named(lambda path, ndim: param_axes(("layers",) + path, ndim), block, mesh, layout)
+
+
 def cache_shardings(cache, mesh, layout: Layout):
     """A tree like `cache` (arrays or ShapeDtypeStructs) of NamedShardings: rows over `batch`."""
     return _named(cache_axes, cache, mesh, layout)

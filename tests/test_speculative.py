@@ -1,0 +1,127 @@
+"""Speculative decoding with the MTP block (dsv4_jax/speculative.py).
+
+Greedy output with speculation must be token for token the output without it: the verification
+runs the same fp32 math in chunks of k + 1 (logits equal to about 1e-6, test_generate's
+tolerance), so the argmax agrees. Random weights make the block's drafts almost never right, so
+drafts are also forced from the known continuation, right for exactly the first j of each round.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+from convert.cli import main as convert_main
+from dsv4_jax.generate import run_request, validate_request
+from dsv4_jax.random_checkpoint import write_random_checkpoint
+from dsv4_jax.speculative import Forced, accept
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny preset (window 32; layers of ratio 4 and 128) with its MTP block, in float32."""
+    hf = write_random_checkpoint(str(tmp_path_factory.mktemp("rc") / "hf"), "tiny", with_mtp=True)
+    out = tmp_path_factory.mktemp("conv") / "f32"
+    assert convert_main([hf, str(out), "--dtype", "float32"]) == 0
+    return dsv4_jax.load(out, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    """A ragged batch: prompts of 3, 40 and 150 tokens (window and both ratios crossed in the
+    prompts; 40 new tokens cross them again while decoding)."""
+    rng = np.random.default_rng(0)
+    return [list(map(int, rng.integers(2, model.config.vocab_size, n))) for n in (3, 40, 150)]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return dsv4_jax.generate(model, prompts, 40, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def continuation(model, prompts):
+    """The greedy continuation past the 40 tokens too (the last round's drafts reach beyond)."""
+    return dsv4_jax.generate(model, prompts, 48, eos_token_id=None).tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_with_the_block_equals_without(model, prompts, reference, k):
+    out = dsv4_jax.generate(model, prompts, 40, eos_token_id=None, speculative_tokens=k)
+    assert out.rows() == reference.rows()
+    s = out.speculation
+    assert s["draft_tokens"] == k * s["drafts"] and len(s["accepted_per_position"]) == k
+    assert reference.speculation is None
+
+
+def _forced(model, prompts, continuation, k, right, eos=None):
+    req = validate_request(prompts, model.config, 40, eos_token_id=eos, speculative_tokens=k)
+    forced = Forced(continuation, np.asarray(right, np.int32), np.ones(len(prompts), np.float32))
+    return run_request(model, model.config, req, forced)
+
+
+@pytest.mark.parametrize("k, right", [(3, [3, 3, 3]), (3, [0, 0, 0]), (4, [1, 2, 3]), (2, [2, 0, 1])],
+                         ids=["always right", "always wrong", "first j, j per row", "k 2, j per row"])
+def test_forced_drafts_keep_the_output_and_count_exactly(model, prompts, reference, continuation, k, right):
+    """Each round row b's first j_b drafts are right and the rest wrong: the output is unchanged,
+    row b emits j_b + 1 tokens a round (its first token comes from the prefill), and the counters
+    say exactly that: accepted = sum over rows of rounds_b x j_b."""
+    out = _forced(model, prompts, continuation, k, right)
+    assert out.rows() == reference.rows()
+    rounds = [-(-(40 - 1) // (j + 1)) for j in right]
+    s = out.speculation
+    assert s["rounds"] == max(rounds) and s["drafts"] == sum(rounds) and s["draft_tokens"] == k * sum(rounds)
+    assert s["accepted_tokens"] == sum(r * j for r, j in zip(rounds, right))
+    assert s["accepted_per_position"] == [sum(r for r, j in zip(rounds, right) if j > i) for i in range(k)]
+    assert s["acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
+
+
+def test_eos_inside_kept_drafts_stops_the_row(model, prompts, reference, continuation):
+    """A stop id among a round's kept drafts ends the row there, as without speculation."""
+    eos = int(reference.tokens[2, 10])
+    want = dsv4_jax.generate(model, prompts, 40, eos_token_id=eos).rows()
+    assert _forced(model, prompts, continuation, 4, [4, 4, 4], eos=eos).rows() == want
+
+
+def _emitted(target, draft, n, seed=0):
+    """n rounds of `accept` on one row: (first token, second token or -1, kept) per round, with the
+    drafts drawn from `draft`."""
+    k = draft.shape[0]
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        drafts = jax.random.categorical(kd, jnp.log(draft), axis=-1).astype(jnp.int32)
+        kept, nxt = accept(target[None], draft[None], drafts[None], jax.random.key_data(ka)[None])
+        toks = jnp.where(jnp.arange(k + 1) < kept[0], jnp.pad(drafts, (0, 1)), nxt[0])
+        return toks[0], jnp.where(kept[0] >= 1, toks[1], -1), kept[0]
+
+    return [np.asarray(x) for x in jax.jit(jax.vmap(one))(keys)]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """40,000 rounds with drafts from q (unlike p): the first token is distributed as p at the
+    first position, the second (when the first draft was kept) as p at the second, within 0.012
+    absolute (about 5 standard errors); a draft equal to p is always kept."""
+    p = jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.4, 0.3, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = jnp.asarray([[0.1, 0.1, 0.1, 0.2, 0.5], [0.3, 0.3, 0.2, 0.1, 0.1]])
+    first, second, kept = _emitted(p, q, 40000)
+    np.testing.assert_allclose(np.bincount(first, minlength=5) / len(first), p[0], atol=0.012)
+    seconds = second[second >= 0]
+    assert len(seconds) > 5000
+    np.testing.assert_allclose(np.bincount(seconds, minlength=5) / len(seconds), p[1], atol=0.012)
+    _, _, kept_same = _emitted(p, p[:2], 2000, seed=1)
+    assert (kept_same == 2).all() and (kept < 2).any()
+
+
+def test_bad_speculative_requests(model, prompts):
+    with pytest.raises(ValueError, match="speculative_tokens must be between 0 \\(off\\) and 8"):
+        dsv4_jax.generate(model, prompts, 4, speculative_tokens=9)
+    with pytest.raises(TypeError, match="speculative_tokens must be an integer"):
+        dsv4_jax.generate(model, prompts, 4, speculative_tokens=1.5)
+    with pytest.raises(ValueError, match=r"\+ speculative_tokens \(4\) = 158 exceeds max_len=156"):
+        dsv4_jax.generate(model, prompts, 4, speculative_tokens=4, max_len=156)
+    plain = dsv4_jax.Model(model.params, model.config)
+    with pytest.raises(ValueError, match="needs the checkpoint's MTP block"):
+        dsv4_jax.generate(plain, prompts, 4, speculative_tokens=2)
