@@ -194,7 +194,7 @@ def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
             return Compiled(None, None, str(e).strip().splitlines()[0][:300])
         raise
     return Compiled(result.memory, program_cost(result.compiled.as_text(), expert_blocks(s, tokens),
-                                                branch_shares(s.cfg)))
+                                                branch_shares(s.cfg), aot.target(s.target).platform))
 
 
 def memory_need(c: Compiled) -> int | None:
@@ -295,7 +295,30 @@ class _Module:
         return consts.pop() if len(consts) == 1 else None
 
 
-def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None) -> dict:
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*)$")
+
+
+def _scatter_overcount(mod: "_Module", line: str) -> float:
+    """For a GPU fusion whose root is an in-place scatter: the bytes XLA's HloCostAnalysis counts
+    beyond the updates (it counts the whole scattered operand read and written: a cache stack of
+    1.6 GB for a few rows), else 0."""
+    called = _CALLS.search(line)
+    if " fusion(" not in line or not called or called.group(1) not in mod.comps:
+        return 0.0
+    shapes, root = {}, None
+    for l in mod.comps[called.group(1)][1:]:
+        m = _INSTRUCTION.match(l)
+        if m:
+            shapes[m.group(1)] = _shape_bytes(m.group(2))
+            if l.lstrip().startswith("ROOT ") and m.group(3) == "scatter":
+                root = m
+    if root is None:
+        return 0.0
+    operands = _NAME.findall(root.group(4).split("), ")[0])
+    return 2.0 * (shapes[root.group(1)] - shapes.get(operands[-1], 0))
+
+
+def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu") -> dict:
     """Flops and bytes accessed per device of a compiled program (its optimized HLO `text`), by
     XLA's HloCostAnalysis of each computation, combined so that every loop counts as often as
     it runs: a while body times its trip count (`dynamic_trips`, the caller's expectation, for a
@@ -304,7 +327,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     layers that take it (`layer_weights`: branch index -> share, from `branch_shares`); any
     other conditional counts its costliest branch, as XLA does. A Mosaic kernel (a custom call,
     which XLA counts as nothing) adds its declared cost (TPU: the kernel's pl.CostEstimate), or
-    on GPU, where none is declared, its operands' and result's bytes and no flops.
+    on GPU, where none is declared, its operands' and result's bytes and no flops. On GPU an
+    in-place scatter fusion (the cache writes) counts its updates, not its whole operand
+    (`_scatter_overcount`).
     Returns {"flops", "bytes_accessed", "xla_flops", "xla_bytes_accessed" (XLA's own figures,
     loops counted once), "loops": [{"trips", "assumed"}...]}."""
     mod = _Module(text)
@@ -342,6 +367,8 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
             c = _CALL.search(line)
             if c:
                 out += total(c.group(1)) - mod.xla(c.group(1))
+            elif platform == "cuda":
+                out[1] -= _scatter_overcount(mod, line)
         return out
 
     flops, nbytes = total(mod.entry)
@@ -514,7 +541,7 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
     if device_bytes(s.params) > limit:  # the weights alone do not fit
         return {"tokens": 0, "verified": True, "compiles": 0, "tried": {}}
     first = next(iter(seen))
-    for length in (first // 2 // CONTEXT_STEP * CONTEXT_STEP, 2 * first, CONTEXT_STEP, 2 * CONTEXT_STEP):
+    for length in (4 * first, first // 2 // CONTEXT_STEP * CONTEXT_STEP, CONTEXT_STEP, 2 * CONTEXT_STEP):
         if len([n for n in seen if seen[n] is not None]) >= 2:
             break
         if CONTEXT_STEP <= length <= top:
@@ -524,14 +551,24 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
         points = sorted((n, b) for n, b in seen.items() if b is not None)
         if len(points) < 2:
             break
-        (n0, b0), (n1, b1) = sorted(points, key=lambda p: abs(p[1] - limit))[:2]
+        under = [p for p in points if p[1] <= limit]
+        over = [p for p in points if p[1] > limit and (not under or p[0] > under[-1][0])]
+        if under and over:  # the line through the bracket's ends
+            (n0, b0), (n1, b1) = under[-1], over[0]
+        else:  # the two lengths nearest the limit on the side the points lie
+            (n0, b0), (n1, b1) = under[-2:] if under else over[:2]
         slope = (b1 - b0) / (n1 - n0)
         guess = top if slope <= 0 else int(n0 + (limit - b0) / slope) // CONTEXT_STEP * CONTEXT_STEP
         guess = min(max(guess, CONTEXT_STEP), top)
+        if guess in seen and under and over:  # the line is not straight there: halve the bracket
+            guess = (under[-1][0] + over[0][0]) // 2 // CONTEXT_STEP * CONTEXT_STEP
+        if guess in seen:
+            break
         measure(guess)
         if ok(guess):
             tokens, verified = max(tokens, guess), True
-            break
+            if guess == top or guess + CONTEXT_STEP in seen:
+                break
     return {"tokens": tokens, "verified": verified, "compiles": compiles,
             "tried": {str(n): seen[n] for n in sorted(seen)}}
 
