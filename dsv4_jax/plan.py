@@ -22,11 +22,12 @@ The JSON it prints (one object):
   decode, prefill
                flops and bytes_accessed per device: XLA's cost analysis of the compiled program
                with every loop counted as many times as it runs (`program_cost`), min_bytes (what
-               the step cannot avoid reading, `decode_min_bytes` / `prefill_min_bytes`), their
-               ratio, roofline_ms (the larger of bytes_accessed / HBM bandwidth and flops / peak
-               bf16 flops), tokens_per_s for the whole batch, and the same at min_bytes
+               the step cannot avoid reading, `min_bytes`), their ratio, roofline_ms (the larger
+               of bytes_accessed / HBM bandwidth and flops / peak bf16 flops), tokens_per_s for
+               the whole batch, and the same at min_bytes
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
-               found by compiling (`find_max_context`)
+               found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
+The layout, mesh, batch and lengths are echoed; README.md ("Planning real hardware") has runs.
 Bad input exits 1 with one line on stderr.
 """
 
@@ -49,11 +50,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from . import sharding  # noqa: E402
-from .cache import cache_spec, pool_rows  # noqa: E402
+from .cache import cache_spec  # noqa: E402
 from .config import CSA, HCA, ConfigError, ModelConfig  # noqa: E402
 from .model import step  # noqa: E402
 from .moe import _block_size  # noqa: E402
-from .params import INT, NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
+from .params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from .presets import PRESETS, preset  # noqa: E402
 from .quantized import QuantizedWeight, storage_shapes  # noqa: E402
 
@@ -301,7 +302,8 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*)$"
 def _scatter_overcount(mod: "_Module", line: str) -> float:
     """For a GPU fusion whose root is an in-place scatter: the bytes XLA's HloCostAnalysis counts
     beyond the updates (it counts the whole scattered operand read and written: a cache stack of
-    1.6 GB for a few rows), else 0."""
+    1.6 GB for a few rows; nothing beyond them when the updates are the larger, a scatter-add of
+    many rows into few), else 0."""
     called = _CALLS.search(line)
     if " fusion(" not in line or not called or called.group(1) not in mod.comps:
         return 0.0
@@ -315,7 +317,7 @@ def _scatter_overcount(mod: "_Module", line: str) -> float:
     if root is None:
         return 0.0
     operands = _NAME.findall(root.group(4).split("), ")[0])
-    return 2.0 * (shapes[root.group(1)] - shapes.get(operands[-1], 0))
+    return 2.0 * max(0, shapes[root.group(1)] - shapes.get(operands[-1], 0))
 
 
 def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu") -> dict:
@@ -503,17 +505,16 @@ def memory_plan(s: Setup, max_len: int, decode: Compiled, prefill: Compiled) -> 
     return out
 
 
-def fits(s: Setup, max_len: int, prefill_chunk: int) -> tuple[bool, int | None]:
-    """Whether both programs fit at max_len, and the bytes they need then (None: the compiler
-    refused them)."""
+def total_bytes_at(s: Setup, max_len: int, prefill_chunk: int) -> int | None:
+    """The bytes a device needs at max_len: its parameter and cache shards and the larger of the
+    two programs' needs (None: the compiler refused one as too big)."""
     need = 0
     for tokens in (1, min(prefill_chunk, max_len)):
         c = compile_step(s, max_len, tokens)
         if c.memory is None:
-            return False, None
+            return None
         need = max(need, memory_need(c))
-    total = device_bytes(s.params) + device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout)) + need
-    return total <= aot.target(s.target).spec.memory_bytes, total
+    return device_bytes(s.params) + device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout)) + need
 
 
 def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None]) -> dict:
@@ -533,7 +534,7 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
         nonlocal compiles
         if length not in seen:
             compiles += 2
-            seen[length] = fits(s, length, prefill_chunk)[1]
+            seen[length] = total_bytes_at(s, length, prefill_chunk)
 
     def ok(length: int) -> bool:
         return seen.get(length) is not None and seen[length] <= limit
