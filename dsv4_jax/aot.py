@@ -6,7 +6,7 @@ compiled from abstract inputs (`jax.ShapeDtypeStruct`) placed on the target's co
 devices, and XLA reports its memory per device and its cost. Needs the `aot` extra
 (`pip install -e ".[aot]"`); ../shared/docs/aot-compile.md has the background.
 
-Targets by name (`TARGETS`):
+Targets by name (`TARGETS`; their devices' memory, bandwidth and peak flops: `DEVICES`):
     v5p-8     TPU v5p, 4 chips in one host ("v5p:2x2x1")
     v6e-8     TPU v6e, 8 chips in one host ("v6e:2x4")
     h100x1    one H100 SXM 80 GB          (gpu_targets/h100_sxm.txtpb)
@@ -60,24 +60,57 @@ _put_ptxas_first_on_path()
 
 
 @dataclasses.dataclass(frozen=True)
+class Device:
+    """One device's published figures (the roofline's data, dsv4_jax/plan.py): HBM bytes, HBM
+    bandwidth (bytes/s) and peak dense bf16 flops/s, with where they come from. A GPU's memory
+    and bandwidth are those its target config (gpu_targets/*.txtpb) gives the compiler."""
+
+    kind: str
+    memory_bytes: int
+    hbm_bandwidth: float
+    peak_bf16_flops: float
+    source: str
+
+
+DEVICES = {d.kind: d for d in (
+    Device("TPU v5p", 95 * 10**9, 2765e9, 459e12,
+           "cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip, HBM2e 95 GB at 2765 GBps"),
+    Device("TPU v6e", 32 * 10**9, 1638e9, 918e12,
+           "cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip, HBM 32 GB at 1638 GBps"),
+    Device("H100 SXM", 84929347584, 3.35232e12, 989.4e12,
+           "NVIDIA H100 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; "
+           "80 GB HBM3 at 3.35 TB/s (memory as gpu_targets/h100_sxm.txtpb gives it)"),
+    Device("H200 SXM", 150754820096, 4.8e12, 989.4e12,
+           "NVIDIA H200 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; "
+           "141 GB HBM3e at 4.8 TB/s (memory as gpu_targets/h200_sxm.txtpb gives it)"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """A compile target: platform "tpu" or "cuda", the topology string the compiler takes, the
-    number of devices it has, for TPU the chips per host, for CUDA the device's config file."""
+    number of devices it has, for TPU the chips per host, for CUDA the device's config file, and
+    the kind of device (`DEVICES`)."""
 
     name: str
     platform: str
     topology: str
     devices: int
+    device: str
     chips_per_host: tuple[int, int, int] | None = None
     gpu: str | None = None
 
+    @property
+    def spec(self) -> Device:
+        return DEVICES[self.device]
+
 
 TARGETS = {t.name: t for t in (
-    Target("v5p-8", "tpu", "v5p:2x2x1", 4, chips_per_host=(2, 2, 1)),
-    Target("v6e-8", "tpu", "v6e:2x4", 8, chips_per_host=(2, 4, 1)),
-    Target("h100x1", "cuda", "1x1x1", 1, gpu="h100_sxm"),
-    Target("h100x8", "cuda", "1x1x8", 8, gpu="h100_sxm"),
-    Target("h200x8", "cuda", "1x1x8", 8, gpu="h200_sxm"),
+    Target("v5p-8", "tpu", "v5p:2x2x1", 4, "TPU v5p", chips_per_host=(2, 2, 1)),
+    Target("v6e-8", "tpu", "v6e:2x4", 8, "TPU v6e", chips_per_host=(2, 4, 1)),
+    Target("h100x1", "cuda", "1x1x1", 1, "H100 SXM", gpu="h100_sxm"),
+    Target("h100x8", "cuda", "1x1x8", 8, "H100 SXM", gpu="h100_sxm"),
+    Target("h200x8", "cuda", "1x1x8", 8, "H200 SXM", gpu="h200_sxm"),
 )}
 
 

@@ -3,7 +3,10 @@ products accumulate in fp32, and the output comes back in the weight's dtype.
 
 A `QuantizedWeight` (FP8 / FP4, `dsv4-convert --dtype native`) is dequantized here, inside the
 jitted computation, to its compute dtype (exactly: see dsv4_jax/quantized.py), then multiplied
-the same way, so a native checkpoint gives the same results as a dequantized one."""
+the same way, so a native checkpoint gives the same results as a dequantized one: a weight whose
+scale blocks divide it goes by its blocks on TPU and GPU (`QuantizedWeight.matmul`: the
+compilers fuse the dequantization into the product instead of writing the weight out; the same
+products, summed in another order), as a whole elsewhere."""
 
 from __future__ import annotations
 
@@ -28,6 +31,15 @@ def dense(x: jnp.ndarray, w) -> jnp.ndarray:
 
 
 def _dense(w, x: jnp.ndarray) -> jnp.ndarray:
+    if isinstance(w, QuantizedWeight) and w.blocked():
+        # TPU / GPU: by blocks (QuantizedWeight.matmul). The CPU keeps the whole dequantized
+        # weight: its products sum in the order a dequantized checkpoint's do, bit for bit.
+        return jax.lax.platform_dependent(w, x, cpu=_dense_whole,
+                                          default=lambda w, x: w.matmul(x.astype(w.dtype)).astype(w.dtype))
+    return _dense_whole(w, x)
+
+
+def _dense_whole(w, x: jnp.ndarray) -> jnp.ndarray:
     wd = weight_array(w)
     x = x.astype(wd.dtype)
     if _in_halves(x, wd):

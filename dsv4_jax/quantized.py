@@ -28,8 +28,6 @@ from flax import struct
 FP8, FP4 = "fp8", "fp4"
 FP8_BLOCK = 128
 FP4_GROUP = 32
-_FP4_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_TABLE = np.array(_FP4_MAG + tuple(-m for m in _FP4_MAG), np.float32)  # nibble code -> value
 
 
 def storage_shapes(shape: tuple[int, ...], fmt: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -106,6 +104,37 @@ class QuantizedWeight:
         """The same stored weight with another compute dtype (nothing is dequantized here)."""
         return self.replace(dtype_name=jnp.dtype(dtype).name)
 
+    def blocked(self) -> bool:
+        """Whether `matmul` keeps the scale blocks as axes: a 2-d weight whose dims the blocks
+        divide (the published models' linears all are)."""
+        out, inp = self.shape[-2:]
+        if self.ndim != 2:
+            return False
+        return (out % FP8_BLOCK == 0 and inp % FP8_BLOCK == 0) if self.fmt == FP8 else inp % FP4_GROUP == 0
+
+    def matmul(self, x: jnp.ndarray) -> jnp.ndarray:
+        """x `[..., in]` (in the compute dtype) times the weight: fp32 `[..., out]`, the very
+        products and sums of `x @ dequantize().T` (same values, same contraction order), with
+        the weight kept in its scale blocks (FP8: `[out/128, 128, in/128, 128]`, FP4:
+        `[out, in/32, 16, 2]`, the two codes of a byte as the last axis) and x viewed the same
+        way, so that the dequantization is a broadcast the compiler fuses into the product
+        instead of a whole weight written out (a TPU re-lays out an `[out, in]` weight built
+        by interleaving nibbles or repeating scales). Needs `blocked()`."""
+        out, inp = self.shape
+        lead = x.shape[:-1]
+        if self.fmt == FP8:
+            ob, ib = out // FP8_BLOCK, inp // FP8_BLOCK
+            w = self.values.reshape(ob, FP8_BLOCK, ib, FP8_BLOCK).astype(jnp.float32)
+            w = (w * self.scale.astype(jnp.float32)[:, None, :, None]).astype(self.dtype)
+            y = jnp.einsum("...jk,oijk->...oi", x.reshape(lead + (ib, FP8_BLOCK)), w,
+                           preferred_element_type=jnp.float32)
+            return y.reshape(lead + (out,))
+        groups = inp // FP4_GROUP
+        codes = jax.lax.bitcast_convert_type(self.values.reshape(out, groups, FP4_GROUP // 2), jnp.float4_e2m1fn)
+        w = (codes.astype(jnp.float32) * e8m0_to_float32(self.scale)[..., None, None]).astype(self.dtype)
+        return jnp.einsum("...gkp,ogkp->...o", x.reshape(lead + (groups, FP4_GROUP // 2, 2)), w,
+                          preferred_element_type=jnp.float32)
+
     def dequantize(self, dtype=None) -> jnp.ndarray:
         """The weight `[..., out, in]` in `dtype` (default: the compute dtype), computed in fp32
         then rounded once."""
@@ -114,10 +143,9 @@ class QuantizedWeight:
         if self.fmt == FP8:
             s = self.scale.astype(jnp.float32)
             w = self.values.astype(jnp.float32) * _expand(s, out, inp, FP8_BLOCK, FP8_BLOCK)
-        elif self.fmt == FP4:
-            v = self.values.astype(jnp.uint8)
-            codes = jnp.stack([v & 0x0F, v >> 4], axis=-1).reshape(v.shape[:-1] + (inp,))
-            w = jnp.take(jnp.asarray(FP4_TABLE), codes.astype(jnp.int32), axis=0)
+        elif self.fmt == FP4:  # a byte's two e2m1 codes, low nibble first, as float4 values
+            codes = jax.lax.bitcast_convert_type(self.values.astype(jnp.uint8), jnp.float4_e2m1fn)
+            w = codes.reshape(self.values.shape[:-1] + (inp,)).astype(jnp.float32)
             w = w * _expand(e8m0_to_float32(self.scale), out, inp, 1, FP4_GROUP)
         else:
             raise ValueError(f"unknown quantized format {self.fmt!r}")

@@ -21,8 +21,10 @@ def inv_freq(rope_dim: int, base: float, yarn: Yarn | None) -> np.ndarray:
     Bit-identical to torch's float32 computation: `base ** (2i / d)` comes from XLA's CPU pow
     (numpy's float32 pow rounds some Flash pairs differently by 1 ulp, an angle error that grows
     with position); the rest are correctly rounded float32 operations in the reference's order."""
-    # Evaluated now, also when called while tracing a jitted function.
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    # Evaluated now on the CPU, also when called while tracing a jitted function, and outside any
+    # abstract mesh the trace runs under (dsv4-plan traces over compile-only devices).
+    with (jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), jax.ensure_compile_time_eval(),
+          jax.default_device(jax.devices("cpu")[0])):
         exponents = jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / jnp.float32(rope_dim)
         pos_freqs = np.asarray(jnp.power(jnp.float32(base), exponents))
     one = np.float32(1)

@@ -711,6 +711,41 @@ def test_dense_in_halves(rows, out, inp, halves):
     assert_close(y, ref, 1e-6, "dense")
 
 
+@pytest.mark.parametrize("fmt, out, inp", [("fp8", 256, 384), ("fp8", 128, 128), ("fp4", 64, 96), ("fp4", 256, 512)])
+def test_quantized_matmul_by_blocks(fmt, out, inp):
+    """QuantizedWeight.matmul, the TPU / GPU form of a quantized projection (dsv4_jax/linear.py:
+    the weight kept in its scale blocks), against the dequantized weight's product: the same fp32
+    products summed in another order, so 1e-5 relative to the largest output (observed ~1e-6);
+    FP4 codes above 7 are negative, scales span 2^-9 .. 2^6. A weight the blocks do not divide
+    is not blocked, and `dense` keeps the whole-weight product on CPU (bit for bit the
+    dequantized checkpoint's, as tests/test_convert.py asserts)."""
+    import ml_dtypes
+
+    from dsv4_jax.quantized import QuantizedWeight
+
+    g = np.random.default_rng(out + inp)
+    if fmt == "fp8":
+        values = jnp.asarray(g.standard_normal((out, inp)).astype(ml_dtypes.float8_e4m3fn))
+        scale = jnp.asarray(2.0 ** g.integers(-9, 6, (out // 128, inp // 128)), jnp.float32)
+    else:
+        values = jnp.asarray(g.integers(0, 256, (out, inp // 2), dtype=np.uint8))
+        scale = jnp.asarray(g.integers(118, 134, (out, inp // 32), dtype=np.uint8))
+    w = QuantizedWeight(values, scale, fmt=fmt, dtype_name="float32")
+    stacked = w.replace(values=w.values[None], scale=w.scale[None])
+    assert w.blocked() and not stacked.blocked()
+    for lead in ((1,), (3,), (2, 5)):
+        x = jnp.asarray(g.standard_normal(lead + (inp,)), jnp.float32)
+        want = np.einsum("...i,oi->...o", np.asarray(x, np.float64), np.asarray(w.dequantize(), np.float64))
+        got = jax.jit(QuantizedWeight.matmul)(w, x)
+        assert got.shape == lead + (out,) and got.dtype == jnp.float32
+        assert_close(got, want, 1e-5, f"{fmt} matmul")
+        np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)),
+                                      np.asarray(jax.jit(dense)(x, w.dequantize())))
+    ragged = QuantizedWeight(values[:, :-1], scale, fmt=fmt) if fmt == "fp4" else \
+        QuantizedWeight(values[:100], scale, fmt=fmt)
+    assert not ragged.blocked()
+
+
 @pytest.mark.parametrize("n_rows, K, in_use", [(40, 4, 40), (300, 32, 300), (300, 32, 150), (80, 4, 80), (1000, 4, 60)],
                          ids=["one tile", "tiles", "tiles, prefix in use", "gathered", "large pool, prefix in use"])
 @pytest.mark.parametrize("p0", [(0, 0), (37, 5)], ids=["at 0", "rows at 37 and 5"])

@@ -1,0 +1,157 @@
+"""dsv4-plan (dsv4_jax/plan.py) on small configs: a few layers of Flash's shapes (its head_dim 512,
+rope 64, index heads of 128, window 128, every layer kind, FP8 linears and FP4 experts, narrower
+widths and fewer experts so that it compiles in seconds), planned for one target with the
+max_context search; a model too big for one H100; and bad input. The full-size plans (minutes
+each) are in the README, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsv4_jax import aot, plan
+from dsv4_jax.presets import FLASH, preset
+
+SMALL = dict(FLASH, vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+             q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=1,
+             compress_ratios=[0, 4, 128, 4, 0])
+# Too big for one 80 GB H100 whatever its context: a 2^24-token vocabulary (a bf16 embedding and
+# an fp32 head of 2^24 x 1024: 100 GiB), the layers of SMALL.
+HUGE_VOCAB = dict(SMALL, vocab_size=1 << 24, hidden_size=1024)
+
+
+def _config(tmp_path, d, name):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_plan_small_flash(tmp_path, capsys):
+    """The JSON's keys and their meaning on v5p-8 (dp_attention over expert=4, one sequence per
+    device): parameter bytes are this device's shards (its quarter of the routed experts), the
+    step's bytes accessed are at least its minimum, the roofline is the larger of the two bounds,
+    and max_context, compiled to check it, fits while the memory the search measured grows with
+    the length."""
+    cfg = _config(tmp_path, SMALL, "small")
+    assert plan.main([cfg, "--target", "v5p-8", "--max-len", "1024", "--prefill-chunk", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mesh"] == {"expert": 4} and out["layout"] == "dp_attention" and out["batch"] == 4
+    pd = out["per_device"]
+    assert isinstance(pd["fits"], bool) and pd["fits"]
+    assert pd["memory_bytes"] == aot.DEVICES["TPU v5p"].memory_bytes
+    assert pd["total_bytes"] == pd["parameter_bytes"] + pd["cache_bytes"] + pd["temp_bytes"] + pd["other_bytes"]
+    routed = 4 * 8 * 3 * (256 * 128 + 256 * 8)  # 4 layers x 8 experts x (w1, w2, w3): FP4 values and scales
+    s = plan.setup(cfg, "v5p-8", None, None, 4, "native")
+    assert pd["parameter_bytes"] == plan.device_bytes(s.params)
+    whole = sum(x.size * x.dtype.itemsize for x in __import__("jax").tree.leaves(s.params))
+    assert whole - pd["parameter_bytes"] == routed * 3 // 4  # the other three devices' experts
+    dev = aot.DEVICES["TPU v5p"]
+    for name, tokens in (("decode", 4), ("prefill", 4 * 64)):
+        step = out[name]
+        for key in ("flops", "bytes_accessed", "min_bytes", "roofline_ms"):
+            assert isinstance(step[key], float) and step[key] > 0, (name, key)
+        assert step["bytes_accessed"] >= step["min_bytes"]
+        assert step["bytes_ratio"] == pytest.approx(step["bytes_accessed"] / step["min_bytes"])
+        bound = max(step["bytes_accessed"] / dev.hbm_bandwidth, step["flops"] / dev.peak_bf16_flops)
+        assert step["roofline_ms"] == pytest.approx(bound * 1e3)
+        assert step["tokens_per_s"] == pytest.approx(tokens / bound)
+        # XLA's own analysis counts the layer loop once: ours counts its 4 trips
+        assert step["bytes_accessed"] > step["xla_cost_loops_once"]["bytes_accessed"]
+    assert out["prefill"]["flops"] > out["decode"]["flops"]
+    assert out["max_context"] >= 1024 and out["max_context"] % 128 == 0
+    search = out["max_context_search"]
+    assert search["verified"] and search["tried"][str(out["max_context"])] <= pd["memory_bytes"]
+    lengths = sorted(int(n) for n in search["tried"])
+    assert search["tried"][str(lengths[-1])] > search["tried"][str(lengths[0])]
+
+
+def test_too_big_for_one_h100(tmp_path, capsys):
+    cfg = _config(tmp_path, HUGE_VOCAB, "huge")
+    assert plan.main([cfg, "--target", "h100x1", "--max-len", "256", "--prefill-chunk", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pd = out["per_device"]
+    assert pd["parameter_bytes"] > pd["memory_bytes"] == aot.DEVICES["H100 SXM"].memory_bytes
+    assert pd["fits"] is False and out["max_context"] == 0
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "h100x1"])
+def test_cost_counts_every_loop_trip(target):
+    """program_cost on a known program: a scan of 10 matmuls by the layers of a stacked weight
+    (XLA's own analysis counts the body once), then a 3-way switch (XLA counts its costliest
+    branch), writing 8 rows per layer into a carried buffer (XLA's GPU analysis counts the
+    whole buffer for an in-place scatter). Flops within 1%: 10 layer products and the costliest
+    branch's; bytes: each layer's weight once, and the scatter's rows, not its 42 MB buffer 10
+    times over."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(w, x, buf, k):
+        def body(carry, i):
+            x, buf = carry
+            x = jnp.tanh(x @ w[i])
+            rows = jnp.argmax(x, axis=1)  # data-dependent rows, as a cache write's
+            return (x, buf.at[i, rows].set(x)), None
+
+        (x, buf), _ = jax.lax.scan(body, (x, buf), jnp.arange(10))
+        return jax.lax.switch(k, [lambda x: x * 2, lambda x: x @ w[0], jnp.sin], x), buf
+
+    args = (jax.ShapeDtypeStruct((10, 1024, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((10, 2048, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32))
+    compiled = aot.compile_for(target, jax.jit(f, donate_argnums=2), *args).compiled
+    cost = plan.program_cost(compiled.as_text(), 0, None, aot.target(target).platform)
+    layer = 2 * 8 * 1024 * 1024
+    assert cost["flops"] == pytest.approx(11 * layer, rel=0.01)  # 10 layers + the costliest branch
+    assert cost["xla_flops"] == pytest.approx(2 * layer, rel=0.01)
+    weights, buffer = 10 * 1024 * 1024 * 2, 10 * 2048 * 1024 * 2
+    # a GPU copies each layer's slice out before its product: read, written, read again
+    assert weights <= cost["bytes_accessed"] < 4 * weights
+    assert {"trips": 10, "assumed": False} in cost["loops"]
+    if target == "h100x1":  # uncorrected, XLA's figure holds the whole buffer, read and written, 10 times
+        raw = plan.program_cost(compiled.as_text(), 0, None, "tpu")
+        assert raw["bytes_accessed"] - cost["bytes_accessed"] == pytest.approx(10 * 2 * buffer, rel=0.01)
+
+
+def test_full_size_configs():
+    """The presets are the published models (architecture.md §1.1, §1.4)."""
+    flash, pro = preset("flash"), preset("pro")
+    assert [len(flash.layers_of_ratio(r)) for r in (0, 4, 128)] == [2, 21, 20]
+    assert [len(pro.layers_of_ratio(r)) for r in (0, 4, 128)] == [0, 30, 31]
+    assert (pro.hidden_size, pro.num_heads, pro.n_routed_experts, pro.index_topk) == (7168, 128, 384, 1024)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nosuch", "--target", "v5p-8"], "unknown model 'nosuch'"),
+    (["flash", "--target", "v7x-8"], "unknown compile target 'v7x-8'"),
+    (["flash", "--target", "v5p-8", "--mesh", "expert=8"], "has 8 devices; v5p-8 has 4"),
+    (["flash", "--target", "v5p-8", "--mesh", "expert=3,data=x"], "--mesh must be"),
+    (["pro", "--target", "v6e-8", "--mesh", "data=2,expert=4", "--batch", "6"], "--batch 6 must be a positive multiple of 8"),
+    (["flash", "--target", "v5p-8", "--weight-dtype", "int8"], "unknown --weight-dtype"),
+    (["flash", "--target", "v5p-8", "--max-len", "64", "--prefill-chunk", "128"], "exceeds --max-len"),
+    (["flash", "--target", "v5p-8", "--batch", "two"], "invalid int value"),
+])
+def test_bad_input_is_one_line_and_exit_1(args, message, capsys):
+    assert plan.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dsv4-plan: error: ") and message in err, err
+
+
+def test_indivisible_layout_is_an_error(tmp_path, capsys):
+    cfg = _config(tmp_path, dict(SMALL, n_routed_experts=6), "six")
+    assert plan.main([cfg, "--target", "v5p-8"]) == 1
+    assert "splits experts (6) into 4 pieces" in capsys.readouterr().err
+
+
+def test_module_entry_point(tmp_path):
+    """`python -m dsv4_jax.plan`: bad input exits 1 with its one line and no JSON."""
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "dsv4_jax.plan", str(bad), "--target", "v5p-8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    ours = [line for line in r.stderr.splitlines() if line.startswith("dsv4-plan: error: ")]
+    assert len(ours) == 1 and "is not valid JSON" in ours[0]
