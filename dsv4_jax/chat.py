@@ -149,7 +149,8 @@ def load_chat_format(ckpt: str) -> ChatFormat:
         return ChatFormat()
     if not isinstance(source, str):
         raise ValueError(f"{path}: chat_template must be a string or a list of named templates with a 'default'")
-    return ChatFormat(_compile(source, path), _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+    return ChatFormat(_compile(source, path), _token_text(config.get("bos_token")),
+                      _token_text(config.get("eos_token")))
 
 
 def _compile(source: str, path: str):

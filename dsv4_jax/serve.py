@@ -34,9 +34,9 @@ Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with 
 outside the vocabulary, a prompt longer than the context or max_tokens past it, in OpenAI's
 wording), 404 for another model name, 503 when the waiting queue is full (--max-queue). A client
 that disconnects has its requests cancelled, which frees their slots: a stream's at once (the
-ASGI stack cancels its task), any request's within half a second (`POLL_S`). SIGINT / SIGTERM shut down gracefully: the
-port closes, requests in flight finish, the engine stops, and the process exits 0. Bad flags or a
-bad checkpoint print one line and exit 1.
+ASGI stack cancels its task), any request's within half a second (`POLL_S`). SIGINT / SIGTERM
+shut down gracefully: the port closes, requests in flight finish, the engine stops, and the
+process exits 0. Bad flags or a bad checkpoint print one line and exit 1.
 """
 
 from __future__ import annotations
