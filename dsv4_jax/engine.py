@@ -104,6 +104,9 @@ class Engine:
                              f"({prefill_chunk})")
         self.max_queue = max_queue
         self.cache = model.new_cache(self.slots, max_len)
+        # Committed to its device(s), as every step's output cache is: `warmup` then compiles the
+        # programs for the cache the steps pass (an uncommitted one lowers to other programs).
+        self.cache = jax.device_put(self.cache, jax.tree.map(lambda x: x.sharding, self.cache))
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free = list(range(self.slots))
@@ -235,12 +238,14 @@ class Engine:
         req.token_times.append(time.monotonic())
         self.next_token[req.slot] = token
         self.counters["generation_tokens"] += 1
-        if req.on_token is not None:
-            req.on_token(req, token)
         if token in req.stop_token_ids:
-            self._finish(req, "stop")
+            req.finish_reason = "stop"
         elif len(req.tokens) >= req.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_len:
-            self._finish(req, "length")
+            req.finish_reason = "length"
+        if req.on_token is not None:  # finish_reason already set: the callback sees a last token as one
+            req.on_token(req, token)
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -264,6 +269,11 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
+
+    def alive(self) -> bool:
+        """Whether the background thread `start` began is running (False before `start`, after
+        `stop`, or when a step raised)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         with self.lock:
@@ -303,9 +313,10 @@ class Engine:
         """Requests running / waiting, slots in use, the cache's use (tokens held over capacity)
         and the token and request counters."""
         with self.lock:
-            held = sum(len(r.prompt[: r.prefilled]) + len(r.tokens) for r in self.running.values())
-            return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.slots,
-                    "slots_used": len(self.running), "cache_usage": held / (self.slots * self.max_len),
+            running = list(self.running.values())  # one copy: the engine thread frees slots without the lock
+            held = sum(r.prefilled + len(r.tokens) for r in running)
+            return {"running": len(running), "waiting": len(self.waiting), "slots": self.slots,
+                    "slots_used": len(running), "cache_usage": held / (self.slots * self.max_len),
                     **self.counters}
 
 

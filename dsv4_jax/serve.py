@@ -1,0 +1,765 @@
+"""`dsv4-serve --ckpt DIR [options]`: an OpenAI-compatible HTTP server over the serving engine.
+
+FastAPI on uvicorn. The engine (dsv4_jax/engine.py, continuous batching over cache slots) runs in
+its own thread (`Engine.start`); a request's tokens come back through its `on_token` callback on
+that thread, which hands them to the request's asyncio queue with `loop.call_soon_threadsafe`.
+The checkpoint's programs are all compiled before the port opens (`Engine.warmup`, unless
+--no-warmup), so no request pays a compilation.
+
+Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (prompt: text, a list
+of texts, token ids or a list of token-id lists; one choice per prompt), `POST
+/v1/chat/completions` (the chat format of dsv4_jax/chat.py), `GET /health` (200; 503 once the
+engine thread has stopped), `GET /metrics` (Prometheus text format, `dsv4:` names, see `Metrics`).
+Streaming (`"stream": true`) sends server-sent events, one chunk per generated token, ending with
+`data: [DONE]`; with `stream_options: {"include_usage": true}` a last chunk before it holds
+`choices: []` and the usage.
+
+Request fields honoured: `model` (optional; another name than --served-model-name is a 404),
+`prompt` / `messages`, `max_tokens` (completions default 16; chat: `max_completion_tokens`, else
+`max_tokens`, else the rest of the context), `temperature` (default 1.0; 0 = greedy), `top_p`,
+`top_k` (0 or -1 = off), `seed` (default: a random one; prompt i of a list draws with seed + i),
+`stop` (a string or a list: matched on the output text, which is cut before the first match),
+`stop_token_ids`, `ignore_eos` (else the checkpoint's eos ids, from generation_config.json or
+config.json, stop a request), `stream`, `stream_options.include_usage`, and for chat
+`chat_template_kwargs`. Accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`.
+Accepted only at the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400
+naming the field: `n`, `best_of`, `echo`, `suffix`, `logprobs`, `top_logprobs`,
+`frequency_penalty`, `presence_penalty`, `logit_bias`, `response_format`, `tools`, `tool_choice`,
+`functions`, `function_call`, `modalities`, `audio`, `prediction`, `reasoning_effort`,
+`web_search_options`, `verbosity`. Any other field is a 400 ("Unrecognized request argument").
+
+Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with the HTTP status as
+`code`: 400 for a bad request (malformed JSON, a field of the wrong type or value, a token id
+outside the vocabulary, a prompt longer than the context or max_tokens past it, in OpenAI's
+wording), 404 for another model name, 503 when the waiting queue is full (--max-queue). A client
+that disconnects has its requests cancelled, which frees their slots: a stream's at once (the
+ASGI stack cancels its task), any request's within half a second (`POLL_S`). SIGINT / SIGTERM
+shut down gracefully: the port closes, requests in flight finish, the engine stops, and the
+process exits 0. Bad flags or a bad checkpoint print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .bench_serve import SPEC_DECODE_COUNTERS
+from .chat import ChatError, ChatFormat, load_chat_format
+from .cli_args import ArgumentParser, UsageError
+from .engine import Engine, QueueFull
+
+PROG = "dsv4-serve"
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+POLL_S = 0.5  # how often a waiting request checks its client and the engine thread
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the engine samples in float32
+LATENCY_BUCKETS = tuple(0.001 * 2 ** k for k in range(22))  # 1 ms .. 35 min, doubling
+NEUTRAL = {  # OpenAI fields we do not implement, accepted (besides null) only at these values
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (),
+}
+STATUS_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error response: HTTP status, message, and the request field it concerns."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": STATUS_TYPE.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request ran."""
+
+
+# ---- request bodies -------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    include_obfuscation: Any = None  # ignored
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take (module doc); strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None  # a string or a list of strings (checked in `_stops`)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    n: Any = None
+    logprobs: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # text, texts, token ids or lists of them (checked in `_completion_prompts`)
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+class ChatRequest(_Common):
+    messages: Any  # checked by chat.normalize_messages
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+
+def _check_neutral(body: _Common) -> None:
+    for name in body.model_fields_set & NEUTRAL.keys():
+        value = getattr(body, name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in NEUTRAL[name]):
+            allowed = " or ".join(json.dumps(v) for v in (None, *NEUTRAL[name]))
+            raise APIError(400, f"'{name}' is not supported by this server (accepted: {allowed}), got "
+                                f"{json.dumps(value)}", name)
+
+
+# ---- output text ----------------------------------------------------------------------------
+
+class TextOutput:
+    """One request's output text as its tokens arrive.
+
+    Incremental detokenization: the tokens since the last boundary are decoded together with the
+    ones before it (`prefix`..`read`, whose text was taken), and new text is taken only when it
+    does not end in U+FFFD (a UTF-8 character split across tokens) or the request ends, so a
+    character is never emitted in parts and the pieces add up to the whole output decoded at once
+    (special tokens skipped). Stop strings: the text is cut before the first one and the request
+    ends; until then the last len(longest stop) - 1 characters are held back, as they may begin
+    one."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decode to text already taken (context for the next ones)
+        self.text, self.sent = "", 0
+        self.hold = max(map(len, stops), default=1) - 1
+        self.stopped = False  # a stop string matched
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int | None, final: bool) -> str:
+        """Adds a generated token (None: a stop token, whose text is not output) and returns the
+        text now ready to send; `final`: the request ends with it (everything is sent)."""
+        if token is not None:
+            self.ids.append(token)
+        before, after = self._decode(self.ids[self.prefix: self.read]), self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self._extend(after[len(before):])
+            self.prefix, self.read = self.read, len(self.ids)
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent: end], end
+        return delta
+
+    def _extend(self, new: str) -> None:
+        start = max(0, len(self.text) - self.hold)  # the earliest a stop string ending in `new` can begin
+        self.text += new
+        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+SPEC_DECODE_HELP = {
+    "spec_decode_num_drafts": "Speculative decoding: draft proposals (verify steps) so far.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed so far.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted so far.",
+}
+
+
+def spec_decode_metrics(stats: dict) -> list:
+    """Counters `dsv4:spec_decode_num_drafts`, `dsv4:spec_decode_num_draft_tokens`,
+    `dsv4:spec_decode_num_accepted_tokens` (exposed with `_total`) for those of these names the
+    engine's stats() has; none when it has none (no speculative decoding)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    return [CounterMetricFamily(f"dsv4:{name}", SPEC_DECODE_HELP[name], value=stats[name])
+            for name in SPEC_DECODE_COUNTERS if name in stats]
+
+
+class _EngineCollector:
+    """engine.stats() read at each scrape: gauges of requests and slots, token counters."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.engine.stats()
+        yield GaugeMetricFamily("dsv4:num_requests_running", "Requests in a slot (prefilling or decoding).",
+                                value=s["running"])
+        yield GaugeMetricFamily("dsv4:num_requests_waiting", "Requests waiting for a slot.", value=s["waiting"])
+        yield GaugeMetricFamily("dsv4:num_slots", "Cache slots (sequences decoded together).", value=s["slots"])
+        yield GaugeMetricFamily("dsv4:num_slots_used", "Cache slots holding a request.", value=s["slots_used"])
+        yield GaugeMetricFamily("dsv4:kv_cache_usage_perc", "Cache use: tokens held over the slots' capacity "
+                                "(1 = full).", value=s["cache_usage"])
+        yield CounterMetricFamily("dsv4:prompt_tokens", "Prompt tokens prefilled.", value=s.get("prompt_tokens", 0))
+        yield CounterMetricFamily("dsv4:generation_tokens", "Tokens generated.", value=s.get("generation_tokens", 0))
+        finished = CounterMetricFamily("dsv4:request_success", "Requests the engine finished, by reason "
+                                       "(cancelled: a stop string or a client that left).", labels=["finished_reason"])
+        for reason in ("stop", "length", "cancelled"):
+            finished.add_metric([reason], s.get(f"finished_{reason}", 0))
+        yield finished
+        yield from spec_decode_metrics(s)
+
+
+class Metrics:
+    """The server's Prometheus registry: the engine's state (`_EngineCollector`) and histograms of
+    time to first token, inter-token latency, end-to-end latency and queue time (seconds, from the
+    engine's timestamps), observed when a request ends."""
+
+    def __init__(self, engine: Engine):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+
+        def histogram(name, doc):
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("dsv4:time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("dsv4:inter_token_latency_seconds", "Between consecutive tokens of a request.")
+        self.e2e = histogram("dsv4:e2e_request_latency_seconds", "Arrival to the end of the request.")
+        self.queue = histogram("dsv4:request_queue_time_seconds", "Arrival to admission into a slot.")
+
+    def observe(self, req, end: float) -> None:
+        """A finished engine request (called on the engine thread)."""
+        if req.admitted is not None:
+            self.queue.observe(req.admitted - req.arrival)
+        if req.token_times:
+            self.ttft.observe(req.token_times[0] - req.arrival)
+            for a, b in zip(req.token_times, req.token_times[1:]):
+                self.itl.observe(b - a)
+            self.e2e.observe(end - req.arrival)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---- the service ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Service:
+    """What the handlers share: the engine, the tokenizer, the chat format, names and ids."""
+
+    engine: Engine
+    tokenizer: Any  # tokenizers.Tokenizer
+    chat: ChatFormat
+    model_name: str
+    eos_ids: tuple[int, ...]
+    metrics: Metrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.cfg.vocab_size
+
+
+@dataclasses.dataclass
+class Sampling:
+    """A request's sampling and stop settings, checked."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    stops: list[str]
+
+
+def _sampling(body: _Common, service: Service) -> Sampling:
+    V = service.vocab_size
+    t = 1.0 if body.temperature is None else body.temperature
+    if not 0 <= t <= FLOAT32_MAX:
+        raise APIError(400, f"temperature must be >= 0 (0: greedy) and a float32, got {t}", "temperature")
+    p = 1.0 if body.top_p is None else body.top_p
+    if not 0 < p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
+    k = 0 if body.top_k in (None, -1) else body.top_k
+    if not 0 <= k <= V:
+        raise APIError(400, f"top_k must be 0 or -1 (off) or at most the vocabulary size {V}, got {body.top_k}",
+                       "top_k")
+    ids = tuple(body.stop_token_ids or ())
+    bad = next((i for i in ids if not 0 <= i < V), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {V})", "stop_token_ids")
+    if not body.ignore_eos:
+        ids += tuple(i for i in service.eos_ids if i not in ids)
+    seed = random.getrandbits(32) if body.seed is None else body.seed
+    return Sampling(t, k, p, seed, ids, _stops(body.stop))
+
+
+def _stops(stop) -> list[str]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    return stops
+
+
+def _completion_prompts(prompt, service: Service) -> list[list[int]]:
+    """`prompt` as token-id lists: text (encoded with the tokenizer's special tokens, e.g. bos),
+    a list of texts, token ids, or a list of token-id lists."""
+    def is_id(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(map(is_id, prompt)):
+        return [prompt]
+    if not (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and p and all(map(is_id, p)) for p in prompt))):
+        raise APIError(400, "prompt must be a string, a list of strings, a non-empty list of token ids or a list of "
+                            "non-empty token-id lists", "prompt")
+    return [service.tokenizer.encode(p).ids if isinstance(p, str) else p for p in prompt]
+
+
+class Generation:
+    """One API request's prompts running in the engine, as events (choice, text delta, finish
+    reason or None), one per generated token; the last one of each choice has its finish reason.
+
+    The engine thread's callback puts (choice, token, engine finish reason) on an asyncio queue
+    with `call_soon_threadsafe`; the handler's task turns tokens into text (`TextOutput`)."""
+
+    def __init__(self, service: Service, http: Request, prompts: list[list[int]], max_tokens: list[int],
+                 sampling: Sampling, param: str):
+        self.service, self.http = service, http
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = sum(map(len, prompts))
+        self.outputs = [TextOutput(service.tokenizer, sampling.stops) for _ in prompts]
+        self.completion_tokens = [0] * len(prompts)
+        self.finish: list[str | None] = [None] * len(prompts)
+        engine = service.engine
+        for p, m in zip(prompts, max_tokens):
+            _validate(engine, p, m, param)
+        self.requests = []
+        try:
+            for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+                self.requests.append(engine.submit(
+                    p, m, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    seed=sampling.seed + i, stop_token_ids=sampling.stop_token_ids,
+                    on_token=lambda req, token, i=i: self._on_token(i, req, token)))
+        except QueueFull as e:
+            self.cancel()
+            raise APIError(503, f"The server is overloaded: {e}; retry later") from None
+
+    def _on_token(self, index: int, req, token: int | None) -> None:
+        """Runs on the engine thread."""
+        if token is None:
+            self.service.metrics.observe(req, time.monotonic())
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, token, req.finish_reason))
+
+    async def events(self):
+        """Yields (choice, text delta, finish reason or None) until every choice has finished.
+        Raises ClientGone when the client leaves, APIError(500) when the engine thread stops."""
+        getter, checked = None, self.loop.time()
+        try:
+            while None in self.finish:
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+                if self.loop.time() - checked >= POLL_S:  # also while tokens flow (a non-streaming request)
+                    checked = self.loop.time()
+                    if await self.http.is_disconnected():
+                        raise ClientGone()
+                    if not self.service.engine.alive():
+                        raise APIError(500, "the engine stopped; see the server's log")
+                if not done:
+                    continue
+                (i, token, reason), getter = getter.result(), None
+                if self.finish[i] is not None:  # tokens after a stop string, until the cancel lands
+                    continue
+                self.completion_tokens[i] += 1
+                out = self.outputs[i]
+                delta = out.add(None if reason == "stop" else token, reason is not None)
+                if out.stopped:
+                    self.service.engine.cancel(self.requests[i])
+                    reason = "stop"
+                self.finish[i] = reason
+                yield i, delta, reason
+        finally:
+            if getter is not None:
+                getter.cancel()
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancels the requests still in the engine (their slots free at the next step)."""
+        for r in self.requests:
+            if not r.done:
+                self.service.engine.cancel(r)
+
+    def usage(self) -> dict:
+        n = sum(self.completion_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+def _validate(engine: Engine, prompt: list[int], max_tokens: int, param: str) -> None:
+    """The engine's checks (OpenAI's wording), naming the prompt or max_tokens."""
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    for tokens, field in ((1, param), (max_tokens, "max_tokens")):
+        try:
+            engine.validate(prompt, tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), field) from None
+
+
+def _check_model(body: _Common, service: Service) -> None:
+    if body.model is not None and body.model != service.model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _respond(gen: Generation, body: _Common, kind: str, model: str) -> Response:
+    """The response to a completion (kind "text_completion") or chat ("chat.completion") request:
+    a stream of server-sent events, or one JSON object once every choice has finished."""
+    chat = kind == "chat.completion"
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind + (".chunk" if chat and body.stream else ""), "created": int(time.time()), "model": model}
+
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        started = [False] * len(gen.outputs)
+
+        def choice(i, delta, reason):
+            if not chat:
+                return {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+            d = {"content": delta}
+            if not started[i]:  # the role goes with the first token (a chunk with choices times TTFT)
+                d, started[i] = {"role": "assistant", **d}, True
+            return {"index": i, "delta": d, "logprobs": None, "finish_reason": reason}
+
+        async def stream():
+            try:
+                async for i, delta, reason in gen.events():
+                    yield _sse({**head, "choices": [choice(i, delta, reason)], **({"usage": None} if usage else {})})
+            except ClientGone:
+                return
+            except APIError as e:
+                yield _sse(e.body())
+            else:
+                if usage:
+                    yield _sse({**head, "choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    texts = [""] * len(gen.outputs)
+    try:
+        async for i, delta, _ in gen.events():
+            texts[i] += delta
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": gen.finish[i]} for i, t in enumerate(texts)]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": gen.finish[i]}
+                   for i, t in enumerate(texts)]
+    return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
+
+
+def create_app(service: Service) -> FastAPI:
+    """The ASGI app; its lifespan starts the engine thread and stops it at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    app = FastAPI(title=PROG, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if err["type"] == "json_invalid":
+            message, param = f"The request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})", None
+        elif err["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif err["type"] == "missing":
+            message = f"Missing required parameter: '{param}'"
+        else:
+            message = f"Invalid value for '{param}': {err['msg']}" if param else err["msg"]
+        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crashed(request, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "dsv4-jax",
+                "max_model_len": service.engine.max_len}
+
+    @app.get("/health")
+    async def health():
+        if not service.engine.alive():
+            raise APIError(503, "the engine thread is not running")
+        return {}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != service.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(body, service)
+        _check_neutral(body)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        sampling = _sampling(body, service)
+        prompts = _completion_prompts(body.prompt, service)
+        m = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt")
+        return await _respond(gen, body, "text_completion", service.model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: Request):
+        _check_model(body, service)
+        _check_neutral(body)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        sampling = _sampling(body, service)
+        try:
+            text = service.chat.render(body.messages, body.chat_template_kwargs)
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt = service.tokenizer.encode(text, add_special_tokens=False).ids  # the format holds its own bos
+        m = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if m is None:
+            m = max(service.engine.max_len - len(prompt), 1)
+        gen = Generation(service, http, [prompt], [m], sampling, "messages")
+        return await _respond(gen, body, "chat.completion", service.model_name)
+
+    return app
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    from . import compile_cache, sharding
+
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (dsv4-convert output, or HF safetensors), "
+                                                  "with tokenizer.json")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    ap.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint "
+                                                "directory's name)")
+    ap.add_argument("--slots", type=int, default=8, help="sequences decoded together (cache rows; default 8)")
+    ap.add_argument("--max-len", type=int, default=4096, help="tokens per slot: prompt + output (default 4096)")
+    ap.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more get "
+                                                                "503 (default 1024)")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="largest prompt chunk prefilled in one step, "
+                                                                   "a power of two >= 16 (default 512)")
+    ap.add_argument("--max-tokens-per-step", type=int, default=None,
+                    help="token budget of an engine step: prefill chunks plus one per decoding slot "
+                         "(default: prefill chunk + slots)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--attention-impl", choices=("auto", "pallas", "ref"), default="auto")
+    ap.add_argument("--index-cache-freq", type=int, default=None,
+                    help="IndexCache: ratio-4 layers of rank r reuse the last top-k when r %% F != 0")
+    ap.add_argument("--index-cache-pattern", default=None, help="IndexCache: one F/S per ratio-4 layer")
+    ap.add_argument("--index-cache-skip-compressor", action="store_true",
+                    help="IndexCache: reusing layers also skip their indexer's compressor")
+    compile_cache.add_flag(ap)
+    sharding.add_arguments(ap)
+    ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
+                                                             "requests then compile)")
+    return ap.parse_args(argv)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening: a taken port fails here, before the
+    model loads, and clients are refused until uvicorn listens (after warm-up)."""
+    if not 0 <= port < 65536:
+        raise OSError(f"--port must be in [0, 65536), got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"--host {host}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def _tokenizer(ckpt: str):
+    from tokenizers import Tokenizer
+
+    path = os.path.join(ckpt, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: the server needs the checkpoint's tokenizer")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001  the tokenizers package raises plain Exceptions
+        raise ValueError(f"{path}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") from None
+
+
+def load_service(args, log=None) -> Service:
+    """Loads the checkpoint, builds the engine and (unless --no-warmup) compiles its programs.
+    ValueError / OSError for a bad flag or checkpoint."""
+    from . import compile_cache, sharding
+
+    log = log or (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
+    compile_cache.enable(args.compile_cache)  # before anything compiles
+    import jax.numpy as jnp
+
+    import dsv4_jax
+    from convert.hf_files import generation_eos_ids
+
+    if not os.path.isdir(args.ckpt):
+        raise ValueError(f"checkpoint directory not found: {args.ckpt}")
+    tokenizer = _tokenizer(args.ckpt)
+    chat = load_chat_format(args.ckpt)
+    options = {"attention_impl": args.attention_impl}
+    if args.index_cache_freq is not None or args.index_cache_pattern is not None:
+        options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
+                       index_topk_pattern=args.index_cache_pattern,
+                       index_cache_skip_compressor=args.index_cache_skip_compressor)
+    if args.layout is not None and args.mesh is None:
+        raise ValueError("--layout needs --mesh")
+    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+    t0 = time.perf_counter()
+    model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout, **options)
+    cfg = model.config
+    if cfg.use_index_cache:
+        log(dsv4_jax.index_cache_schedule(cfg).describe())
+    eos = generation_eos_ids(args.ckpt, cfg.vocab_size) or (
+        () if cfg.eos_token_id is None else (cfg.eos_token_id,))
+    engine = Engine(model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue)
+    name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
+    log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
+        f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        log(f"warm-up compiled {n} programs in {time.perf_counter() - t0:.1f}s")
+    return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine))
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    try:
+        args = parse_args(argv)
+        sock = listen_socket(args.host, args.port)
+    except (UsageError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        service = load_service(args)
+    except (ValueError, OSError, TypeError) as e:
+        sock.close()
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sock.close()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    host, port = sock.getsockname()[:2]
+    print(f"{PROG}: serving {service.model_name!r} on http://{host}:{port}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info"))
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
+    # handler it found: a no-op one, so that a graceful shutdown exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
