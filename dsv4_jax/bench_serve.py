@@ -28,7 +28,8 @@ first errors; for the whole run and for the stable stage, requests, duration, to
 request / output-token / total-token throughput and the mean, median, P90 and P99 of TTFT, TPOT,
 ITL and E2EL in milliseconds; the speculative-decoding acceptance read from the server's /metrics
 before and after the timed run (counters `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
-`..._num_accepted_tokens`, or the same under `dsv4:`): acceptance rate = accepted / draft tokens,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos` by position, or the same under
+`dsv4:`): acceptance rate = accepted / draft tokens,
 acceptance length = 1 + accepted / drafts; and one record per request.
 
 The stable stage (AISBench's): the client-side concurrency (requests sent and not finished)
@@ -56,6 +57,7 @@ import numpy as np
 from .cli_args import ArgumentParser, UsageError
 
 SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"  # labelled by position
 METRIC_PREFIXES = ("dsv4:", "vllm:")
 MAX_ERRORS = 5  # errors kept in the report
 
@@ -371,7 +373,7 @@ def spec_decode_counters(text: str) -> dict | None:
     the first prefix of METRIC_PREFIXES that has them; None when it has none."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    found: dict[str, dict[str, float]] = {}
+    found: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -380,8 +382,14 @@ def spec_decode_counters(text: str) -> dict | None:
             name = name.removesuffix("_total")
             for prefix in METRIC_PREFIXES:
                 counter = name.removeprefix(prefix)
-                if name.startswith(prefix) and counter in SPEC_DECODE_COUNTERS:
-                    found.setdefault(prefix, dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0))[counter] += sample.value
+                if not name.startswith(prefix) or counter not in SPEC_DECODE_COUNTERS + (PER_POSITION,):
+                    continue
+                entry = found.setdefault(prefix, {**dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0), "per_position": {}})
+                if counter == PER_POSITION:
+                    i = int(sample.labels.get("position", 0))
+                    entry["per_position"][i] = entry["per_position"].get(i, 0.0) + sample.value
+                else:
+                    entry[counter] += sample.value
     for prefix in METRIC_PREFIXES:
         if prefix in found:
             return {"prefix": prefix, **found[prefix]}
@@ -394,8 +402,10 @@ def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
         return None
     delta = {k: after[k] - before.get(k, 0.0) for k in SPEC_DECODE_COUNTERS}
     drafts, drafted, accepted = (delta[k] for k in SPEC_DECODE_COUNTERS)
+    positions = sorted(after.get("per_position", {}))
+    per_position = [after["per_position"][i] - before.get("per_position", {}).get(i, 0.0) for i in positions]
     return {"metrics_prefix": after["prefix"], "num_drafts": drafts, "num_draft_tokens": drafted,
-            "num_accepted_tokens": accepted,
+            "num_accepted_tokens": accepted, "num_accepted_tokens_per_position": per_position,
             "acceptance_rate": accepted / drafted if drafted > 0 else None,
             "acceptance_length": 1 + accepted / drafts if drafts > 0 else None}
 

@@ -22,6 +22,12 @@ pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk),
 `warmup()` nothing compiles, whatever the requests. A prompt is cut at multiples of
 prefill_chunk, as `generate` cuts it, so a request's greedy tokens are those `generate` gives
 for its prompt alone.
+
+With `speculative_tokens` k (dsv4_jax/speculative.py: the checkpoint's MTP block drafts, the main
+model verifies), the decode step is one verification round: each generating slot gets 1 to
+k + 1 tokens, as many as it keeps (a request may ask for fewer drafts than k); prefill runs the
+block over the prompt too. The counters `spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens` and `..._num_accepted_tokens_pos_<i>` (`stats()`) say what was kept.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sampling
+from . import sampling, speculative
 from .cache import put_rows, reset_rows, take_rows
 from .layer_weights import unstack_layers
-from .generate import MIN_PREFILL_CHUNK, chunk_bucket
+from .generate import MAX_SPECULATIVE_TOKENS, MIN_PREFILL_CHUNK, chunk_bucket
 from .model import Model, step
+from .mtp import init_mtp_cache
 
 
 
@@ -71,6 +78,7 @@ class Request:
     slot: int | None = None
     prefilled: int = 0  # prompt tokens in the cache
     cancelled: bool = False
+    speculative_tokens: int = 0  # drafts a round (at most the engine's)
 
     @property
     def done(self) -> bool:
@@ -85,8 +93,13 @@ class Engine:
     `start` drive `step` in a loop; tests call `step` directly."""
 
     def __init__(self, model: Model, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 max_tokens_per_step: int | None = None, max_queue: int = 1024):
+                 max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0):
         cfg = model.config
+        if speculative_tokens and model.mtp is None:
+            raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
+        if not 0 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be between 0 (off) and {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {speculative_tokens}")
         if slots < 1 or max_len < 2 or prefill_chunk < MIN_PREFILL_CHUNK or max_queue < 1:
             raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_PREFILL_CHUNK} and max_queue >= 1 are "
                              f"needed, got {slots}, {max_len}, {prefill_chunk}, {max_queue}")
@@ -103,10 +116,8 @@ class Engine:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens_per_step}) must hold a prefill chunk "
                              f"({prefill_chunk})")
         self.max_queue = max_queue
-        self.cache = model.new_cache(self.slots, max_len)
-        # Committed to its device(s), as every step's output cache is: `warmup` then compiles the
-        # programs for the cache the steps pass (an uncommitted one lowers to other programs).
-        self.cache = jax.device_put(self.cache, jax.tree.map(lambda x: x.sharding, self.cache))
+        self.k = speculative_tokens
+        self.state = self._new_state()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free = list(range(self.slots))
@@ -115,6 +126,10 @@ class Engine:
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
         self.counters = collections.Counter()
+        if self.k:  # reported from the start, zero until a round runs
+            for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                         *(f"spec_decode_num_accepted_tokens_pos_{i}" for i in range(self.k))):
+                self.counters[name] = 0
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -137,15 +152,20 @@ class Engine:
                              f"completion). Please reduce the length of the messages or completion.")
 
     def submit(self, prompt, max_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, stop_token_ids=(), on_token=None) -> Request:
-        """Queues a request; ValueError if it cannot be served, QueueFull if the queue is full."""
+               seed: int = 0, stop_token_ids=(), on_token=None, speculative_tokens: int | None = None) -> Request:
+        """Queues a request; ValueError if it cannot be served, QueueFull if the queue is full.
+        speculative_tokens: drafts a round for this request (default, and at most, the engine's)."""
         prompt = [int(t) for t in prompt]
         self.validate(prompt, max_tokens)
+        drafts = self.k if speculative_tokens is None else int(speculative_tokens)
+        if not 0 <= drafts <= self.k:
+            raise ValueError(f"speculative_tokens must be between 0 and the server's {self.k}, got {drafts}")
         with self.lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue holds {self.max_queue})")
             req = Request(next(self.ids), prompt, int(max_tokens), float(temperature), int(top_k), float(top_p),
-                          int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic())
+                          int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic(),
+                          speculative_tokens=drafts)
             self.waiting.append(req)
             self.counters["requests"] += 1
             self.wake.notify()
@@ -156,6 +176,24 @@ class Engine:
         with self.lock:
             req.cancelled = True
             self.wake.notify()
+
+    def _new_state(self) -> dict:
+        """The device state: the cache; with speculation (k drafts) also the MTP block's cache, the
+        main model's hidden streams at each slot's last prompt position so far (`carry`) and the
+        block's pending rows (dsv4_jax/speculative.py). The caches hold k positions past max_len
+        (a verification writes k past the last token it keeps) in rings k slots wider. Committed
+        to the devices, as every step's output is: `warmup` then compiles the programs the steps
+        run (an uncommitted input lowers to other programs)."""
+        m, k, S = self.model, self.k, self.slots
+        state = {"cache": m.new_cache(S, self.max_len + k, lookahead=k)}
+        if k:
+            with m.on_mesh():
+                state["mtp_cache"] = init_mtp_cache(self.cfg, S, m.dtype, lookahead=k)
+            hidden = (S, k + 1, self.cfg.hc_mult, self.cfg.hidden_size)
+            state["carry"] = jnp.zeros(hidden[:1] + hidden[2:], m.dtype)
+            state["pending"] = speculative.Pending(jnp.zeros(hidden, m.dtype), jnp.zeros(hidden[:2], jnp.int32),
+                                                   jnp.zeros((S,), jnp.int32))
+        return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -208,13 +246,14 @@ class Engine:
         used = {r.slot for r in reqs}
         fillers = [s for s in range(self.slots) if s not in used][: R - len(reqs)]  # held rows (n_valid 0)
         rows = np.array([r.slot for r in reqs] + fillers, np.int32)
-        ids, n_valid, fresh = np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool)
+        ids, n_valid, fresh, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+                                     np.zeros(R, bool))
         for i, (r, n) in enumerate(chosen):
             ids[i, :n] = r.prompt[r.prefilled: r.prefilled + n]
-            n_valid[i], fresh[i] = n, r.prefilled == 0
+            n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.prompt)
         with self.model.on_mesh():
-            tokens, self.cache = _prefill_rows(self.params, self.cache, rows, ids, n_valid, fresh,
-                                               *self._sampling(dict(enumerate(reqs)), R), self.cfg)
+            tokens, self.state = _prefill_rows(self.params, self.model.mtp, self.state, rows, ids, n_valid, fresh,
+                                               ends, *self._sampling(dict(enumerate(reqs)), R), self.cfg)
         tokens = np.asarray(tokens)
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for i, (r, n) in enumerate(chosen):
@@ -223,14 +262,37 @@ class Engine:
                 self._emit(r, int(tokens[i]))
 
     def _decode(self, generating: list[Request]) -> None:
+        """One token for every generating slot, or with speculation one verification round: 1 to
+        k + 1 tokens each."""
         active = np.zeros(self.slots, bool)
         active[[r.slot for r in generating]] = True
+        sampling_rows = self._sampling({r.slot: r for r in generating}, self.slots)
         with self.model.on_mesh():
-            tokens, self.cache = _decode_slots(self.params, self.cache, self.next_token.copy(), active,
-                                               *self._sampling({r.slot: r for r in generating}, self.slots), self.cfg)
-        tokens = np.asarray(tokens)
+            if not self.k:
+                tokens, self.state = _decode_slots(self.params, self.state, self.next_token.copy(), active,
+                                                   *sampling_rows, self.cfg)
+                tokens = np.asarray(tokens)
+                for r in generating:
+                    self._emit(r, int(tokens[r.slot]))
+                return
+            limit = np.zeros(self.slots, np.int32)
+            limit[[r.slot for r in generating]] = [r.speculative_tokens for r in generating]
+            tokens, kept, self.state = _speculate_slots(self.params, self.model.mtp, self.state,
+                                                        self.next_token.copy(), active, limit, *sampling_rows,
+                                                        self.k, self.cfg)
+        tokens, kept = np.asarray(tokens), np.asarray(kept)
+        c = self.counters
         for r in generating:
-            self._emit(r, int(tokens[r.slot]))
+            j = int(kept[r.slot])
+            c["spec_decode_num_drafts"] += 1
+            c["spec_decode_num_draft_tokens"] += r.speculative_tokens
+            c["spec_decode_num_accepted_tokens"] += j
+            for i in range(j):
+                c[f"spec_decode_num_accepted_tokens_pos_{i}"] += 1
+            for t in tokens[r.slot, : j + 1]:
+                self._emit(r, int(t))
+                if r.done:
+                    break
 
     def _emit(self, req: Request, token: int) -> None:
         """Hands a generated token to its request and ends the request where it stops."""
@@ -297,15 +359,20 @@ class Engine:
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         n = 0
+        S = self.slots
         with self.model.on_mesh():
-            args = (np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)) + self._sampling({}, self.slots)
-            _decode_slots.lower(self.params, self.cache, *args, self.cfg).compile()
+            if self.k:
+                _speculate_slots.lower(self.params, self.model.mtp, self.state, np.zeros(S, np.int32), np.zeros(S, bool),
+                                       np.zeros(S, np.int32), *self._sampling({}, S), self.k, self.cfg).compile()
+            else:
+                _decode_slots.lower(self.params, self.state, np.zeros(S, np.int32), np.zeros(S, bool),
+                                    *self._sampling({}, S), self.cfg).compile()
             n += 1
             for R in rows:
                 for T in chunks:
                     args = (np.arange(R, dtype=np.int32), np.zeros((R, T), np.int32), np.zeros(R, np.int32),
-                            np.zeros(R, bool)) + self._sampling({}, R)
-                    _prefill_rows.lower(self.params, self.cache, *args, self.cfg).compile()
+                            np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
+                    _prefill_rows.lower(self.params, self.model.mtp, self.state, *args, self.cfg).compile()
                     n += 1
         return n
 
@@ -320,20 +387,48 @@ class Engine:
                     **self.counters}
 
 
-@partial(jax.jit, static_argnums=(11,), donate_argnums=(1,))
-def _prefill_rows(params, cache, rows, ids, n_valid, fresh, temperature, top_k, top_p, seeds, drawn, cfg):
+@partial(jax.jit, static_argnums=(13,), donate_argnums=(2,))
+def _prefill_rows(params, mtp, state, rows, ids, n_valid, fresh, ends, temperature, top_k, top_p, seeds, drawn, cfg):
     """A chunk ids `[R, T]` into the cache rows `rows` `[R]` (n_valid tokens each; `fresh` rows
     reset first), as one sub-batch; returns (each row's token sampled after its chunk `[R]`, the
-    cache)."""
-    sub = reset_rows(take_rows(cache, rows), fresh)
-    logits, sub = step(params, sub, ids, cfg, True, n_valid=n_valid)
+    state). With the MTP block (speculation) its rows for the chunk run too, and a row whose
+    prompt `ends` here gets its first pending row: its last prompt position's hidden streams and
+    the token sampled after it."""
+    sub = reset_rows(take_rows(state["cache"], rows), fresh)
+    p0 = sub["pos"]
+    logits, sub, hidden = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=True)
     tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
-    return tokens, put_rows(cache, rows, sub)
+    state = {**state, "cache": put_rows(state["cache"], rows, sub)}
+    if mtp is not None:
+        block = reset_rows(take_rows(state["mtp_cache"], rows), fresh)
+        block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, hidden, ids, p0,
+                                                 n_valid, state["carry"][rows], cfg)
+        pend = state["pending"]
+        start = ends[:, None, None, None] & (jnp.arange(pend.hidden.shape[1]) == 0)[None, :, None, None]
+        pend = speculative.Pending(
+            pend.hidden.at[rows].set(jnp.where(start, carry[:, None], pend.hidden[rows])),
+            pend.ids.at[rows, 0].set(jnp.where(ends, tokens, pend.ids[rows, 0])),
+            pend.n.at[rows].set(jnp.where(ends, 1, pend.n[rows])))
+        state = {**state, "mtp_cache": put_rows(state["mtp_cache"], rows, block),
+                 "carry": state["carry"].at[rows].set(carry), "pending": pend}
+    return tokens, state
 
 
 @partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
-def _decode_slots(params, cache, tokens, active, temperature, top_k, top_p, seeds, drawn, cfg):
+def _decode_slots(params, state, tokens, active, temperature, top_k, top_p, seeds, drawn, cfg):
     """One token `tokens` `[S]` into every `active` slot (the others hold); returns (the next
-    token of each slot `[S]`, the cache)."""
-    logits, cache = step(params, cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
-    return sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p), cache
+    token of each slot `[S]`, the state)."""
+    logits, cache = step(params, state["cache"], tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
+    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
+    return tokens, {**state, "cache": cache}
+
+
+@partial(jax.jit, static_argnums=(11, 12), donate_argnums=(2,))
+def _speculate_slots(params, mtp, state, last, active, limit, temperature, top_k, top_p, seeds, drawn, k, cfg):
+    """One verification round (speculative.verify_round) for every active slot, at most limit[s]
+    drafts kept; returns (each slot's tokens `[S, k + 1]` (the first kept + 1 real), kept `[S]`,
+    the state)."""
+    cache, mtp_cache, pending, tokens, kept = speculative.verify_round(
+        params, mtp, state["cache"], state["mtp_cache"], last, state["pending"], active, drawn, seeds,
+        (temperature, top_k, top_p), k, cfg, limit=limit)
+    return tokens, kept, {**state, "cache": cache, "mtp_cache": mtp_cache, "pending": pending}

@@ -20,7 +20,8 @@ Request fields honoured: `model` (optional; another name than --served-model-nam
 `top_k` (0 or -1 = off), `seed` (default: a random one; prompt i of a list draws with seed + i),
 `stop` (a string or a list: matched on the output text, which is cut before the first match),
 `stop_token_ids`, `ignore_eos` (else the checkpoint's eos ids, from generation_config.json or
-config.json, stop a request), `stream`, `stream_options.include_usage`, and for chat
+config.json, stop a request), `speculative_tokens` (with --speculative-tokens K: drafts a round for
+this request, 0 .. K; default K), `stream`, `stream_options.include_usage`, and for chat
 `chat_template_kwargs`. Accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`.
 Accepted only at the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400
@@ -119,6 +120,7 @@ class _Common(BaseModel):
     stop: Any = None  # a string or a list of strings (checked in `_stops`)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    speculative_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Any = None
@@ -229,8 +231,18 @@ def spec_decode_metrics(stats: dict) -> list:
     engine's stats() has; none when it has none (no speculative decoding)."""
     from prometheus_client.core import CounterMetricFamily
 
-    return [CounterMetricFamily(f"dsv4:{name}", SPEC_DECODE_HELP[name], value=stats[name])
-            for name in SPEC_DECODE_COUNTERS if name in stats]
+    out = [CounterMetricFamily(f"dsv4:{name}", SPEC_DECODE_HELP[name], value=stats[name])
+           for name in SPEC_DECODE_COUNTERS if name in stats]
+    per_position = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in stats.items()
+                          if k.startswith("spec_decode_num_accepted_tokens_pos_"))
+    if per_position:
+        family = CounterMetricFamily("dsv4:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                     "draft tokens accepted so far, by their position in the draft.",
+                                     labels=["position"])
+        for i, v in per_position:
+            family.add_metric([str(i)], v)
+        out.append(family)
+    return out
 
 
 class _EngineCollector:
@@ -324,6 +336,7 @@ class Sampling:
     seed: int
     stop_token_ids: tuple[int, ...]
     stops: list[str]
+    speculative_tokens: int | None
 
 
 def _sampling(body: _Common, service: Service) -> Sampling:
@@ -345,7 +358,11 @@ def _sampling(body: _Common, service: Service) -> Sampling:
     if not body.ignore_eos:
         ids += tuple(i for i in service.eos_ids if i not in ids)
     seed = random.getrandbits(32) if body.seed is None else body.seed
-    return Sampling(t, k, p, seed, ids, _stops(body.stop))
+    drafts = body.speculative_tokens
+    if drafts is not None and not 0 <= drafts <= service.engine.k:
+        raise APIError(400, f"speculative_tokens must be between 0 and the server's --speculative-tokens "
+                            f"({service.engine.k}), got {drafts}", "speculative_tokens")
+    return Sampling(t, k, p, seed, ids, _stops(body.stop), drafts)
 
 
 def _stops(stop) -> list[str]:
@@ -398,6 +415,7 @@ class Generation:
                 self.requests.append(engine.submit(
                     p, m, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     seed=sampling.seed + i, stop_token_ids=sampling.stop_token_ids,
+                    speculative_tokens=sampling.speculative_tokens,
                     on_token=lambda req, token, i=i: self._on_token(i, req, token)))
         except QueueFull as e:
             self.cancel()
@@ -651,6 +669,8 @@ def parse_args(argv=None):
     ap.add_argument("--index-cache-skip-compressor", action="store_true",
                     help="IndexCache: reusing layers also skip their indexer's compressor")
     compile_cache.add_flag(ap)
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
     sharding.add_arguments(ap)
     ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
                                                              "requests then compile)")
@@ -713,14 +733,16 @@ def load_service(args, log=None) -> Service:
         raise ValueError("--layout needs --mesh")
     mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
     t0 = time.perf_counter()
-    model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout, **options)
+    model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout,
+                          mtp=args.speculative_tokens > 0, **options)
     cfg = model.config
     if cfg.use_index_cache:
         log(dsv4_jax.index_cache_schedule(cfg).describe())
     eos = generation_eos_ids(args.ckpt, cfg.vocab_size) or (
         () if cfg.eos_token_id is None else (cfg.eos_token_id,))
     engine = Engine(model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue)
+                    max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
+                    speculative_tokens=args.speculative_tokens)
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
     log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
         f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")

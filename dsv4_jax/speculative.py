@@ -128,17 +128,23 @@ def forced_drafts(forced: Forced, n_gen: jnp.ndarray, k: int, keys, vocab: int):
     return drafts, jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
 
 
-def accept(target: jnp.ndarray, draft: jnp.ndarray, drafts: jnp.ndarray, keys) -> tuple[jnp.ndarray, jnp.ndarray]:
+def accept(target: jnp.ndarray, draft: jnp.ndarray, drafts: jnp.ndarray, keys,
+           limit: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Rejection sampling of the drafts `[B, k]` (drawn from `draft` `[B, k, V]`) against the main
     model's distributions `target` `[B, k + 1, V]` at the same positions and the one after. Returns
     (the drafts each row keeps, j `[B]`; the row's next token `[B]`: from max(0, p - q) at the
-    first rejection, from p after the last draft when all are kept)."""
+    first rejection, from p after the last draft when all are kept). limit `[B]` (default k): a
+    row proposes only its first limit[b] drafts (a request asking for fewer); its token after them
+    comes from p."""
     B, k = drafts.shape
+    i = jnp.arange(k)[None, :]
+    proposed = i < (k if limit is None else limit[:, None])
     p = jnp.take_along_axis(target[:, :k], drafts[..., None], axis=-1)[..., 0]
     q = jnp.take_along_axis(draft, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(_fold(keys, 2 * k + 1))
-    kept = jnp.sum(jnp.cumprod(u * q < p, axis=1), axis=1).astype(jnp.int32)
+    kept = jnp.sum(jnp.cumprod((u * q < p) & proposed, axis=1), axis=1).astype(jnp.int32)
     p_j = jnp.take_along_axis(target, kept[:, None, None], axis=1)[:, 0]
+    draft = jnp.where(proposed[..., None], draft, 0.0)  # a draft never proposed takes nothing from p
     q_j = jnp.take_along_axis(jnp.pad(draft, ((0, 0), (0, 1), (0, 0))), kept[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(p_j - q_j, 0.0)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_j)
@@ -147,9 +153,10 @@ def accept(target: jnp.ndarray, draft: jnp.ndarray, drafts: jnp.ndarray, keys) -
 
 def verify_round(params: dict, mtp: dict | None, cache: dict, mtp_cache: dict, last: jnp.ndarray, pending: Pending,
                  active: jnp.ndarray, n_gen: jnp.ndarray, seeds: jnp.ndarray, sampling_params, k: int, cfg,
-                 forced: Forced | None = None):
+                 forced: Forced | None = None, limit: jnp.ndarray | None = None):
     """One round for every active row (bool `[B]`; the others hold): draft k tokens (the block, or
-    `forced`), run [last token `last` `[B]` + drafts] through the main model, accept. Returns
+    `forced`), run [last token `last` `[B]` + drafts] through the main model, accept (at most
+    limit[b] drafts, `accept`). Returns
     (the cache at each row's position after its kept tokens, the block's cache, the new Pending,
     the row's new tokens int32 `[B, k + 1]` (the first kept + 1 are real: the kept drafts, then
     the main model's token), kept `[B]`)."""
@@ -167,7 +174,7 @@ def verify_round(params: dict, mtp: dict | None, cache: dict, mtp_cache: dict, l
     logits, cache, hidden = step(params, cache, ids, cfg, False, n_valid=active * (k + 1), return_hidden=True)
     t, top_k, top_p = (jnp.repeat(jnp.broadcast_to(jnp.asarray(a), (B,)), k + 1) for a in sampling_params)
     target = sampling.distribution(logits.reshape(B * (k + 1), V), t, top_k, top_p).reshape(B, k + 1, V)
-    kept, nxt = accept(target, dists, drafts, keys)
+    kept, nxt = accept(target, dists, drafts, keys, limit)
     i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.where(i < kept[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     cache = {**cache, "pos": jnp.where(active, q0 + kept + 1, q0)}

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import stderr_lines
 from tokenizers import Tokenizer, pre_tokenizers
 
 import dsv4_jax
@@ -217,7 +218,7 @@ def test_cli_writes_and_overwrite_replaces_only_a_random_checkpoint(tmp_path, ca
     cmd = [sys.executable, "-m", "dsv4_jax.random_checkpoint", str(target), "--preset", "tiny"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert r.stderr.count("\n") == 1 and f"wrote {target}" in r.stderr
+    assert len(stderr_lines(r.stderr)) == 1 and f"wrote {target}" in r.stderr
     first = _files(target)
     assert rc.is_random_checkpoint(str(target)) and "mtp" not in str(scan_checkpoint(str(target)).keys())
 

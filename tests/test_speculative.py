@@ -125,3 +125,89 @@ def test_bad_speculative_requests(model, prompts):
     plain = dsv4_jax.Model(model.params, model.config)
     with pytest.raises(ValueError, match="needs the checkpoint's MTP block"):
         dsv4_jax.generate(plain, prompts, 4, speculative_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def alone_in_chunks_of_16(model):
+    """generate on one prompt alone, its prompt cut in the engine's chunks of 16."""
+    import sys
+
+    def run(prompt, n):
+        mp = pytest.MonkeyPatch()
+        mp.setattr(sys.modules["dsv4_jax.generate"], "PREFILL_CHUNK", 16)
+        try:
+            return dsv4_jax.generate(model, [prompt], n, eos_token_id=None).rows()[0]
+        finally:
+            mp.undo()
+
+    return run
+
+
+def test_engine_speculates_per_request(model, prompts, alone_in_chunks_of_16):
+    """The engine with 3 drafts a round, requests asking for 3, 1, 2 and 0 of them (and a fifth
+    waiting for a slot): every request's greedy tokens equal generate's alone, and the counters
+    add up (each round of a request proposes its own number of drafts)."""
+    from dsv4_jax.engine import Engine
+
+    eng = Engine(model, slots=4, max_len=256, prefill_chunk=16, speculative_tokens=3)
+    asks = [3, 1, 2, 0, 3]
+    reqs = [eng.submit(p, 30, speculative_tokens=k) for p, k in zip(prompts + prompts[:2], asks)]
+    eng.run_until_idle()
+    for r in reqs:
+        assert r.tokens == alone_in_chunks_of_16(r.prompt, 30)
+    s = eng.stats()
+    assert s["spec_decode_num_draft_tokens"] <= 3 * s["spec_decode_num_drafts"] and s["spec_decode_num_drafts"] >= 29 * 4
+    with pytest.raises(ValueError, match="speculative_tokens must be between 0 and the server's 3"):
+        eng.submit(prompts[0], 4, speculative_tokens=4)
+
+
+def test_server_speculates(model, tmp_path_factory, prompts, alone_in_chunks_of_16):
+    """dsv4-serve --speculative-tokens 2: concurrent greedy completions equal generate's tokens; the
+    spec-decode counters are on /metrics (per position too); a request may ask for fewer drafts,
+    not more."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from convert.cli import convert
+    from dsv4_jax import serve
+
+    root = tmp_path_factory.mktemp("spec-serve")
+    convert(write_random_checkpoint(str(root / "hf"), "tiny", with_mtp=True), str(root / "ckpt"), dtype="float32")
+    args = serve.parse_args(["--ckpt", str(root / "ckpt"), "--dtype", "float32", "--slots", "2", "--max-len", "256",
+                             "--prefill-chunk", "16", "--speculative-tokens", "2", "--compile-cache", "off"])
+    service = serve.load_service(args, log=lambda m: None)
+    sock = serve.listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(serve.create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        def complete(prompt, extra=None):
+            body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, **(extra or {})}
+            return httpx.post(url + "/v1/completions", json=body, timeout=300)
+
+        results = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(prompts[i], {"speculative_tokens": i})))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p, r in zip(prompts, results):
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+        want = [alone_in_chunks_of_16(p, 20) for p in prompts]
+        got = [service.tokenizer.decode(w, skip_special_tokens=True) for w in want]
+        assert [r.json()["choices"][0]["text"] for r in results] == got
+        metrics = httpx.get(url + "/metrics").text
+        assert "dsv4:spec_decode_num_drafts_total" in metrics and 'spec_decode_num_accepted_tokens_per_pos' in metrics
+        bad = complete(prompts[0], {"speculative_tokens": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative_tokens"
+    finally:
+        server.should_exit = True
+        thread.join(60)
