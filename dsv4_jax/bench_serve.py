@@ -1,7 +1,8 @@
 """`dsv4-bench-serve`: a load generator for a running OpenAI-compatible server (ours or any).
 
     dsv4-bench-serve [--base-url URL] [--model NAME] [--endpoint completions|chat]
-                     [--input-len N --output-len N | --prompt-file FILE.jsonl] [--num-requests N]
+                     [--input-len N [--input-len-max M] --output-len N | --prompt-file FILE.jsonl]
+                     [--num-requests N]
                      [--max-concurrency C] [--request-rate inf|R [--burstiness B] | --fixed-interval S]
                      [--warmup N] [--seed S] [--ignore-eos] [--out FILE]
 
@@ -137,8 +138,9 @@ def _load_tokenizer(path: str):
 
 
 def random_prompts(n: int, input_len: int, output_len: int, *, text: bool, tokenizer=None,
-                   vocab_size: int | None = None, seed: int = 0) -> list[RequestSpec]:
-    """n random prompts of input_len tokens. Token ids: from the tokenizer's non-special ids, or
+                   vocab_size: int | None = None, seed: int = 0, input_len_max: int | None = None) -> list[RequestSpec]:
+    """n random prompts of input_len tokens (with input_len_max, of lengths drawn uniformly from
+    input_len .. input_len_max). Token ids: from the tokenizer's non-special ids, or
     [0, vocab_size). Text with a tokenizer: its tokens that decode to printable text on their
     own, drawn until the text encodes to at least input_len tokens, cut there (the cut text may
     encode one or two tokens apart, where merges cross the cut); without one, input_len random
@@ -157,7 +159,8 @@ def random_prompts(n: int, input_len: int, output_len: int, *, text: bool, token
     elif not text:
         raise BenchError("random token-id prompts need --tokenizer or --vocab-size (or use --random-text)")
     specs = []
-    for _ in range(n):
+    lengths = rng.integers(input_len, input_len_max + 1, n) if input_len_max else [input_len] * n
+    for input_len in map(int, lengths):
         if tokenizer is None and text:
             prompt: str | list[int] = " ".join("".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(2, 8)))
                                                for _ in range(input_len))
@@ -518,6 +521,8 @@ def parse_args(argv) -> tuple:
     ap.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
+    ap.add_argument("--input-len-max", type=int, help="random prompts' lengths drawn uniformly from --input-len "
+                                                      "to this")
     ap.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     ap.add_argument("--prompt-file", help="JSONL requests instead of random prompts")
     ap.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) for random prompts")
@@ -538,6 +543,8 @@ def parse_args(argv) -> tuple:
 
     checks = [(args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}"),
               (args.output_len >= 1, f"--output-len must be >= 1, got {args.output_len}"),
+              (args.input_len_max is None or args.input_len_max >= args.input_len,
+               f"--input-len-max must be >= --input-len, got {args.input_len_max}"),
               (args.num_requests is None or args.num_requests >= 1,
                f"--num-requests must be >= 1, got {args.num_requests}"),
               (args.max_concurrency is None or args.max_concurrency >= 1,
@@ -569,7 +576,7 @@ def parse_args(argv) -> tuple:
         n = args.num_requests or 100
         specs = random_prompts(n + args.warmup, args.input_len, args.output_len,
                                text=args.endpoint == "chat" or args.random_text, tokenizer=tok,
-                               vocab_size=args.vocab_size, seed=args.seed)
+                               vocab_size=args.vocab_size, seed=args.seed, input_len_max=args.input_len_max)
     return args, specs[:n], specs[n:]  # the warm-up requests come after: they do not shift the timed ones
 
 

@@ -432,3 +432,60 @@ def _speculate_slots(params, mtp, state, last, active, limit, temperature, top_k
         params, mtp, state["cache"], state["mtp_cache"], last, state["pending"], active, drawn, seeds,
         (temperature, top_k, top_p), k, cfg, limit=limit)
     return tokens, kept, {**state, "cache": cache, "mtp_cache": mtp_cache, "pending": pending}
+
+
+class StaticEngine(Engine):
+    """The baseline continuous batching is measured against: `generate` on static batches, as a
+    server without an engine would run it. The waiting requests (up to `slots`) go as one batch
+    through `generate.run_request`, and the next batch starts when the whole batch is done: a
+    request arriving meanwhile waits for it, and a request gets all its tokens when its batch ends.
+    A batch decodes with its first request's sampling settings and stop ids, for the longest
+    max_tokens among its requests (each request's tokens are cut to its own limit and stop ids).
+    Same interface as Engine (submit, cancel, start / stop, stats); no speculation."""
+
+    def _new_state(self) -> dict:
+        return {}
+
+    def step(self) -> bool:
+        from .generate import run_request, validate_request
+
+        with self.lock:
+            self._drop_cancelled()
+            batch = []
+            while self.waiting and len(batch) < self.slots:
+                req = self.waiting.popleft()
+                req.slot, req.admitted = self.free.pop(0), time.monotonic()
+                self.running[req.slot] = req
+                batch.append(req)
+        if not batch:
+            return False
+        first = batch[0]
+        request = validate_request([r.prompt for r in batch], self.cfg, max(r.max_tokens for r in batch),
+                                   first.temperature, first.top_k, first.top_p, list(first.stop_token_ids) or None,
+                                   first.seed, max_len=self.max_len)
+        out = run_request(self.model, self.cfg, request)
+        self.counters["prompt_tokens"] += sum(len(r.prompt) for r in batch)
+        for r, tokens in zip(batch, out.rows()):
+            r.prefilled = len(r.prompt)
+            for t in tokens:
+                self._emit(r, int(t))
+                if r.done:
+                    break
+            if not r.done:  # the batch's stop id ended it before its own limit
+                self._finish(r, "stop")
+        return True
+
+    def warmup(self) -> int:
+        """Runs `generate` once for every batch bucket and prefill chunk length it can meet at this
+        max_len, so that serving compiles nothing; returns the number of runs."""
+        from .generate import PREFILL_CHUNK, batch_bucket, chunk_bucket, run_request, validate_request
+
+        rows = sorted({self.model.batch_rows(batch_bucket(n)) for n in range(1, self.slots + 1)})
+        lengths = sorted({chunk_bucket(1 << i) for i in range(PREFILL_CHUNK.bit_length())} - {0})
+        n = 0
+        for R in rows:
+            for L in lengths:
+                if L + 1 <= self.max_len:
+                    run_request(self.model, self.cfg, validate_request([[1] * L] * R, self.cfg, 1, max_len=self.max_len))
+                    n += 1
+        return n

@@ -65,7 +65,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .bench_serve import SPEC_DECODE_COUNTERS
 from .chat import ChatError, ChatFormat, load_chat_format
 from .cli_args import ArgumentParser, UsageError
-from .engine import Engine, QueueFull
+from .engine import Engine, QueueFull, StaticEngine
 
 PROG = "dsv4-serve"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -669,6 +669,9 @@ def parse_args(argv=None):
     ap.add_argument("--index-cache-skip-compressor", action="store_true",
                     help="IndexCache: reusing layers also skip their indexer's compressor")
     compile_cache.add_flag(ap)
+    ap.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
+                    help="continuous batching (the engine; default), or static batches through generate (the "
+                         "baseline it is measured against: a batch runs to its end before the next starts)")
     ap.add_argument("--speculative-tokens", type=int, default=0,
                     help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
     sharding.add_arguments(ap)
@@ -740,9 +743,12 @@ def load_service(args, log=None) -> Service:
         log(dsv4_jax.index_cache_schedule(cfg).describe())
     eos = generation_eos_ids(args.ckpt, cfg.vocab_size) or (
         () if cfg.eos_token_id is None else (cfg.eos_token_id,))
-    engine = Engine(model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
-                    speculative_tokens=args.speculative_tokens)
+    if args.scheduler == "static" and args.speculative_tokens:
+        raise ValueError("--scheduler static runs no speculation: drop --speculative-tokens")
+    engine = (Engine if args.scheduler == "continuous" else StaticEngine)(
+        model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+        max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
+        speculative_tokens=args.speculative_tokens)
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
     log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
         f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")

@@ -444,7 +444,11 @@ def test_spec_decode_counters_exported_when_the_engine_has_them():
     spec = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30, "spec_decode_num_accepted_tokens": 24}
     text = serve.Metrics(Stats(spec)).render().decode()
     assert "dsv4:spec_decode_num_accepted_tokens_total 24.0" in text
-    assert bench_serve.spec_decode_counters(text) == {"prefix": "dsv4:", **{k: float(v) for k, v in spec.items()}}
+    assert bench_serve.spec_decode_counters(text) == {"prefix": "dsv4:", **{k: float(v) for k, v in spec.items()},
+                                                      "per_position": {}}
+    spec |= {"spec_decode_num_accepted_tokens_pos_0": 9, "spec_decode_num_accepted_tokens_pos_1": 7}
+    text = serve.Metrics(Stats(spec)).render().decode()
+    assert bench_serve.spec_decode_counters(text)["per_position"] == {0: 9.0, 1: 7.0}
 
 
 @pytest.fixture(scope="module")
