@@ -28,7 +28,7 @@ import numpy as np
 
 from . import speculative
 from .config import ModelConfig
-from .generate import run_request, validate_request
+from .generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
 from .model import Model
 from .mtp import init_mtp_params
 from .params import init_params
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
         if args.out:
             open(args.out, "a").close()  # a bad path fails now, not after the benchmark
-        if not 1 <= args.k <= 8 or (batches and min(batches) < 1):
-            raise ValueError("--k must be in 1..8 and batches >= 1")
+        if not 1 <= args.k <= MAX_SPECULATIVE_TOKENS or (batches and min(batches) < 1):
+            raise ValueError(f"--k must be in 1..{MAX_SPECULATIVE_TOKENS} and batches >= 1")
         result = run(args.quick, args.k, batches, args.prompt_len, args.new_tokens, args.repeats)
     except (ValueError, OSError) as e:
         print(f"bench_speculative: error: {e}", file=sys.stderr)

@@ -145,6 +145,25 @@ def test_decode_step_gathers_no_expert_weights(native):
     assert w1.values.shape == (cfg.num_layers, E, I, D // 2)
 
 
+def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
+    """The serving engine on data=2 x expert=4 (dp_attention): its 8 slots split over the devices
+    by sequence (each device holds one slot's cache row), requests joining while others decode:
+    each request's greedy tokens equal one device's."""
+    from dsv4_jax.engine import Engine
+
+    prompts, want = greedy_alone
+    model = dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 2, "expert": 4}))
+    eng = Engine(model, slots=8, max_len=256, prefill_chunk=256)  # every prompt one chunk, as in generate
+    assert set(_shard_rows(eng.state["cache"]["pos"], 0).values()) == {1}
+    assert set(_shard_rows(eng.state["cache"]["csa"]["pool"], 1).values()) == {1}
+    reqs = [eng.submit(p, 12) for p in prompts[:2]]
+    for _ in range(3):
+        eng.step()
+    reqs += [eng.submit(p, 12) for p in prompts[2:]]
+    eng.run_until_idle()
+    assert [r.tokens for r in reqs] == want
+
+
 def test_bad_meshes_and_layouts(native):
     with pytest.raises(ValueError, match="unknown layout 'nope'"):
         dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 8}), layout="nope")
