@@ -68,6 +68,8 @@ def _spec(path: str, shape, dtype, lead: int) -> dict:
     dt = np.dtype(dtype)
     return {
         "driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.abspath(path)},
+        # Write every chunk, all-zero ones too: the loader's damage check expects each chunk file.
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(shape), "data_type": dt.name,
             "chunk_grid": {"name": "regular",

@@ -96,7 +96,8 @@ def _eos(args, ckpt: str, config_eos: int | None) -> int | list[int] | None:
 
 
 def main(argv=None) -> int:
-    from . import compile_cache, distributed, sharding
+    from . import distributed
+    from .cli_args import add_model_arguments
 
     ap = argparse.ArgumentParser(prog="dsv4-generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint directory")
@@ -112,15 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eos", type=int, default=None,
                     help="stop token id (default: generation_config.json's eos_token_id, else config.json's)")
     ap.add_argument("--no-eos", action="store_true", help="do not stop at an eos token")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--attention-impl", choices=("auto", "pallas", "ref"), default="auto")
-    ap.add_argument("--index-cache-freq", type=int, default=None,
-                    help="IndexCache: ratio-4 layers of rank r reuse the last top-k when r %% F != 0")
-    ap.add_argument("--index-cache-pattern", default=None, help="IndexCache: one F/S per ratio-4 layer")
-    ap.add_argument("--index-cache-skip-compressor", action="store_true",
-                    help="IndexCache: reusing layers also skip their indexer's compressor")
-    compile_cache.add_flag(ap)
-    sharding.add_arguments(ap)
+    add_model_arguments(ap)
     distributed.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
@@ -147,7 +140,8 @@ def main(argv=None) -> int:
 def _generate(args) -> dict | None:
     """Loads the checkpoint and generates as the flags say; returns the report (None on a
     process other than 0)."""
-    from . import compile_cache, distributed, sharding
+    from . import compile_cache, distributed
+    from .cli_args import model_options
 
     distributed.from_arguments(args)  # before anything touches a device
     cache_dir = compile_cache.enable(args.compile_cache)  # before anything compiles
@@ -160,14 +154,7 @@ def _generate(args) -> dict | None:
         raise ValueError(f"checkpoint directory not found: {args.ckpt}")
     tok = _tokenizer(args.ckpt, needed=args.prompt is not None)
     prompts = [tok.encode(args.prompt).ids] if args.prompt is not None else _parse_ids(args.ids)
-    options = {"attention_impl": args.attention_impl}
-    if args.index_cache_freq is not None or args.index_cache_pattern is not None:
-        options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
-                       index_topk_pattern=args.index_cache_pattern,
-                       index_cache_skip_compressor=args.index_cache_skip_compressor)
-    if args.layout is not None and args.mesh is None:
-        raise ValueError("--layout needs --mesh")
-    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+    options, mesh = model_options(args)
     with compile_cache.CompileCounter() as compiles:
         t0 = time.perf_counter()
         model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout, **options)

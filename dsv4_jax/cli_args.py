@@ -13,3 +13,34 @@ class UsageError(ValueError):
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse calls this for every parse error
         raise UsageError(message)
+
+
+def add_model_arguments(parser) -> None:
+    """The flags every CLI that loads a model takes: compute dtype, attention implementation,
+    IndexCache, the compilation cache and the device mesh."""
+    from . import compile_cache, sharding
+
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--attention-impl", choices=("auto", "pallas", "ref"), default="auto")
+    parser.add_argument("--index-cache-freq", type=int, default=None,
+                        help="IndexCache: ratio-4 layers of rank r reuse the last top-k when r %% F != 0")
+    parser.add_argument("--index-cache-pattern", default=None, help="IndexCache: one F/S per ratio-4 layer")
+    parser.add_argument("--index-cache-skip-compressor", action="store_true",
+                        help="IndexCache: reusing layers also skip their indexer's compressor")
+    compile_cache.add_flag(parser)
+    sharding.add_arguments(parser)
+
+
+def model_options(args) -> tuple[dict, object]:
+    """`load`'s run-time options and the device mesh (or None) from add_model_arguments' flags."""
+    from . import sharding
+
+    options = {"attention_impl": args.attention_impl}
+    if args.index_cache_freq is not None or args.index_cache_pattern is not None:
+        options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
+                       index_topk_pattern=args.index_cache_pattern,
+                       index_cache_skip_compressor=args.index_cache_skip_compressor)
+    if args.layout is not None and args.mesh is None:
+        raise ValueError("--layout needs --mesh")
+    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+    return options, mesh

@@ -643,7 +643,7 @@ def create_app(service: Service) -> FastAPI:
 # ---- command line ---------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    from . import compile_cache, sharding
+    from .cli_args import add_model_arguments
 
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (dsv4-convert output, or HF safetensors), "
@@ -661,20 +661,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens-per-step", type=int, default=None,
                     help="token budget of an engine step: prefill chunks plus one per decoding slot "
                          "(default: prefill chunk + slots)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--attention-impl", choices=("auto", "pallas", "ref"), default="auto")
-    ap.add_argument("--index-cache-freq", type=int, default=None,
-                    help="IndexCache: ratio-4 layers of rank r reuse the last top-k when r %% F != 0")
-    ap.add_argument("--index-cache-pattern", default=None, help="IndexCache: one F/S per ratio-4 layer")
-    ap.add_argument("--index-cache-skip-compressor", action="store_true",
-                    help="IndexCache: reusing layers also skip their indexer's compressor")
-    compile_cache.add_flag(ap)
+    add_model_arguments(ap)
     ap.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
                     help="continuous batching (the engine; default), or static batches through generate (the "
                          "baseline it is measured against: a batch runs to its end before the next starts)")
     ap.add_argument("--speculative-tokens", type=int, default=0,
                     help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
-    sharding.add_arguments(ap)
     ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
                                                              "requests then compile)")
     return ap.parse_args(argv)
@@ -714,7 +706,8 @@ def _tokenizer(ckpt: str):
 def load_service(args, log=None) -> Service:
     """Loads the checkpoint, builds the engine and (unless --no-warmup) compiles its programs.
     ValueError / OSError for a bad flag or checkpoint."""
-    from . import compile_cache, sharding
+    from . import compile_cache
+    from .cli_args import model_options
 
     log = log or (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
     compile_cache.enable(args.compile_cache)  # before anything compiles
@@ -727,14 +720,7 @@ def load_service(args, log=None) -> Service:
         raise ValueError(f"checkpoint directory not found: {args.ckpt}")
     tokenizer = _tokenizer(args.ckpt)
     chat = load_chat_format(args.ckpt)
-    options = {"attention_impl": args.attention_impl}
-    if args.index_cache_freq is not None or args.index_cache_pattern is not None:
-        options.update(use_index_cache=True, index_topk_freq=args.index_cache_freq,
-                       index_topk_pattern=args.index_cache_pattern,
-                       index_cache_skip_compressor=args.index_cache_skip_compressor)
-    if args.layout is not None and args.mesh is None:
-        raise ValueError("--layout needs --mesh")
-    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+    options, mesh = model_options(args)
     t0 = time.perf_counter()
     model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout,
                           mtp=args.speculative_tokens > 0, **options)

@@ -113,10 +113,15 @@ def main(argv=None) -> int:
             servers[name] = shlex.split(args.serve_flags) + shlex.split(flags)
         if not os.path.isdir(args.ckpt):
             raise UsageError(f"checkpoint directory not found: {args.ckpt}")
+        from . import bench_serve
+
+        bench_serve.parse_args(["--base-url", "http://127.0.0.1:1", *bench_flags])  # bad flags fail now
+        if args.out:
+            open(args.out, "a").close()  # a bad path fails now, not after the runs
         log = lambda m: print(f"serve_compare: {m}", file=sys.stderr, flush=True)  # noqa: E731
         reports = {name: run_server(args.ckpt, flags, bench_flags, args.startup_timeout, log)
                    for name, flags in servers.items()}
-    except (UsageError, BenchError) as e:
+    except (UsageError, BenchError, OSError) as e:
         print(f"serve_compare: error: {e}", file=sys.stderr)
         return 1
     result = {"servers": {n: {"flags": servers[n], "report": r} for n, r in reports.items()},

@@ -757,3 +757,18 @@ def test_orbax_saved_checkpoint_loads(converted, tmp_path):
     assert sorted(m1) == sorted(m2)
     for n in m1:
         np.testing.assert_array_equal(m1[n], m2[n])
+
+
+def test_all_zero_tensors_are_stored(quantized, tmp_path):
+    """A tensor of zeros (an untrained sink, gate bias or `ape`) gets its chunk files like any
+    other (tensorstore skips chunks equal to the fill value unless told not to), so the loader's
+    damage check accepts the conversion and the zeros load back."""
+    src = tmp_path / "src"
+    shutil.copytree(quantized[0], src)
+    name = "layers.0.attn.attn_sink"
+    shard = _shard_of(src, name)
+    _patch_shard(shard, lambda t: {**t, name: np.zeros_like(t[name])})
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--dtype", "float32"]) == 0
+    model = dsv4_jax.load(out)
+    assert not np.asarray(model.params["layers"]["attn"]["sink"])[0].any()
