@@ -8,6 +8,7 @@ import inspect
 import os
 import re
 import runpy
+import shlex
 import sys
 import tomllib
 
@@ -184,6 +185,21 @@ def _commands() -> list[str]:
     return out + _spans()
 
 
+def _parts(command: str) -> list[tuple]:
+    """(program, text) pairs whose flags belong to that program. serve_compare passes flags on:
+    its --server values and --serve-flags to dsv4-serve, everything after `--` to dsv4-bench-serve."""
+    prog = _program(command)
+    if prog != ("module", "dsv4_jax.serve_compare"):
+        return [(prog, command)]
+    own, _, bench = command.replace("\\ ", " ").partition(" -- ")
+    words = shlex.split(own)
+    passed = [w.partition("=")[2] if w.partition("=")[1] else w
+              for i, w in enumerate(words) if i and words[i - 1] in ("--server", "--serve-flags")]
+    mine = [w for i, w in enumerate(words) if not (i and words[i - 1] in ("--server", "--serve-flags"))]
+    return [(prog, " ".join(mine)), (("script", "dsv4-serve"), " ".join(passed)),
+            (("script", "dsv4-bench-serve"), bench)]
+
+
 def test_flags_exist(monkeypatch, capsys):
     """A flag in a command is one its program accepts (from its --help); a flag in a code span
     with no program (`--dtype native`) is one some CLI accepts (an installed one, or one the
@@ -200,13 +216,11 @@ def test_flags_exist(monkeypatch, capsys):
     assert "--compile-cache" in flags(("script", "dsv4-generate")) and "--out" in flags(("script", "dsv4-bench"))
     seen = set()
     for command in _commands():
-        shown = re.findall(FLAG, command)
-        if not shown:
-            continue
-        prog = _program(command)
-        have = flags(prog) if prog else every
-        for flag in shown:
-            ok = any(h.startswith(flag) for h in have) if command.endswith(flag + "*") else flag in have
-            assert ok, f"README: {command!r} shows {flag}, not a flag of {prog[1] if prog else 'any CLI'}"
-            seen.add(flag)
+        for prog, part in _parts(command):
+            shown = re.findall(FLAG, part)
+            have = flags(prog) if prog else every
+            for flag in shown:
+                ok = any(h.startswith(flag) for h in have) if command.endswith(flag + "*") else flag in have
+                assert ok, f"README: {command!r} shows {flag}, not a flag of {prog[1] if prog else 'any CLI'}"
+                seen.add(flag)
     assert {"--compile-cache", "--ids", "--eos", "--no-eos", "--pattern", "--prompt-len"} <= seen
