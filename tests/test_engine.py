@@ -153,3 +153,29 @@ def test_bad_requests_and_a_full_queue(model):
         eng.submit([1, 2], 4)
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
         Engine(model, slots=2, max_len=64, prefill_chunk=24)
+
+
+def test_static_engine_runs_whole_batches_through_generate(model, alone):
+    """The baseline of dsv4-serve --scheduler static: the waiting requests go through generate as
+    one batch, a request arriving meanwhile waits for the next, every token of a batch comes when
+    it ends, and each request gets generate's tokens for its prompt alone, cut to its own limit
+    and stop ids."""
+    from dsv4_jax.engine import StaticEngine
+
+    rng = np.random.default_rng(4)
+    V = model.config.vocab_size
+    eng = StaticEngine(model, slots=2, max_len=MAX_LEN)
+    prompts = [list(map(int, rng.integers(0, V, n))) for n in (5, 30, 17)]
+    stop = alone(prompts[1], 12)[3]
+    seen = []
+    first = [eng.submit(prompts[0], 12, on_token=lambda r, t: seen.append((r.id, t))),
+             eng.submit(prompts[1], 12, stop_token_ids=[stop])]
+    later = eng.submit(prompts[2], 6)
+    assert eng.step()  # the first two, as one batch
+    assert all(r.done for r in first) and not later.done and later in eng.waiting
+    assert seen == [(first[0].id, t) for t in first[0].tokens] + [(first[0].id, None)]
+    assert eng.step() and later.done and not eng.step()
+    assert first[0].tokens == alone(prompts[0], 12) and first[0].finish_reason == "length"
+    want = alone(prompts[1], 12)
+    assert first[1].tokens == want[: want.index(stop) + 1] and first[1].finish_reason == "stop"
+    assert later.tokens == alone(prompts[2], 6) and len(eng.free) == 2
