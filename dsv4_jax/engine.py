@@ -47,7 +47,8 @@ import numpy as np
 from . import sampling, speculative
 from .cache import put_rows, reset_rows, take_rows
 from .layer_weights import unstack_layers
-from .generate import MAX_SPECULATIVE_TOKENS, MIN_PREFILL_CHUNK, chunk_bucket
+from .generate import (MAX_SPECULATIVE_TOKENS, MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket,
+                       run_request, validate_request)
 from .model import Model, step
 from .mtp import init_mtp_cache
 
@@ -109,7 +110,7 @@ class Engine:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         self.model, self.cfg = model, cfg
-        self.params = unstack_layers(model.params)  # CPU: per-layer weight buffers (layer_weights.py)
+        self.params = self._step_params()
         self.slots, self.max_len, self.prefill_chunk = model.batch_rows(slots), max_len, prefill_chunk
         self.max_tokens_per_step = max_tokens_per_step or prefill_chunk + self.slots
         if self.max_tokens_per_step < prefill_chunk:
@@ -132,6 +133,11 @@ class Engine:
                 self.counters[name] = 0
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    def _step_params(self):
+        """The weights the engine's programs read: on CPU the large layer weights split into one
+        buffer per layer, once (dsv4_jax/layer_weights.py)."""
+        return unstack_layers(self.model.params)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -443,12 +449,13 @@ class StaticEngine(Engine):
     max_tokens among its requests (each request's tokens are cut to its own limit and stop ids).
     Same interface as Engine (submit, cancel, start / stop, stats); no speculation."""
 
+    def _step_params(self):
+        return None  # generate splits the weights itself, per batch, as a server calling it does
+
     def _new_state(self) -> dict:
         return {}
 
     def step(self) -> bool:
-        from .generate import run_request, validate_request
-
         with self.lock:
             self._drop_cancelled()
             batch = []
@@ -478,8 +485,6 @@ class StaticEngine(Engine):
     def warmup(self) -> int:
         """Runs `generate` once for every batch bucket and prefill chunk length it can meet at this
         max_len, so that serving compiles nothing; returns the number of runs."""
-        from .generate import PREFILL_CHUNK, batch_bucket, chunk_bucket, run_request, validate_request
-
         rows = sorted({self.model.batch_rows(batch_bucket(n)) for n in range(1, self.slots + 1)})
         lengths = sorted({chunk_bucket(1 << i) for i in range(PREFILL_CHUNK.bit_length())} - {0})
         n = 0

@@ -488,6 +488,16 @@ def _check_model(body: _Common, service: Service) -> None:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
 
 
+def _checked_sampling(body: _Common, service: Service) -> Sampling:
+    """The checks every completion request gets (model, fields at their neutral values, stream
+    options), then its sampling settings."""
+    _check_model(body, service)
+    _check_neutral(body)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    return _sampling(body, service)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -609,11 +619,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        _check_model(body, service)
-        _check_neutral(body)
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
-        sampling = _sampling(body, service)
+        sampling = _checked_sampling(body, service)
         prompts = _completion_prompts(body.prompt, service)
         m = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt")
@@ -621,11 +627,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
-        _check_model(body, service)
-        _check_neutral(body)
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
-        sampling = _sampling(body, service)
+        sampling = _checked_sampling(body, service)
         try:
             text = service.chat.render(body.messages, body.chat_template_kwargs)
         except ChatError as e:
