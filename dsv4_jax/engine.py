@@ -19,9 +19,9 @@ A long prompt therefore costs its neighbours one chunk's time per step, not its 
 
 Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
 pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
-`warmup()` nothing compiles, whatever the requests. A prompt is cut at multiples of
-prefill_chunk, as `generate` cuts it, so a request's greedy tokens are those `generate` gives
-for its prompt alone.
+`warmup()` (which also runs each program once) nothing compiles, whatever the requests. A
+prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
+are those `generate` gives for its prompt alone.
 
 With `speculative_tokens` k (dsv4_jax/speculative.py: the checkpoint's MTP block drafts, the main
 model verifies), the decode step is one verification round: each generating slot gets 1 to
@@ -359,27 +359,36 @@ class Engine:
                     return
             self.step()
 
-    def warmup(self) -> int:
+    def warmup(self, decode_runs: int = 4) -> int:
         """Compiles every program the engine can run (the decode step, and the prefill for every
-        rows x chunk bucket); returns how many it compiled."""
+        rows x chunk bucket) and runs each on random token ids in rows that hold (no token counts,
+        so nothing in the cache changes; the decode step `decode_runs` times, each with other
+        ids); returns how many programs it compiled. Running them matters on CPU: there the
+        experts are branches of a switch (dsv4_jax/layer_weights.py), and a program's first run
+        through a branch was slow (flash-mini, 16 slots: a 64-token chunk took 551 ms on its first
+        run with random ids after one with all-zero ids, which chose few experts, then 186 and 127
+        ms), a cost a request would otherwise pay."""
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
-        n = 0
-        S = self.slots
+        S, V, n = self.slots, self.cfg.vocab_size, 0
+        rng = np.random.default_rng(0)
         with self.model.on_mesh():
-            if self.k:
-                _speculate_slots.lower(self.params, self.model.mtp, self.state, np.zeros(S, np.int32), np.zeros(S, bool),
-                                       np.zeros(S, np.int32), *self._sampling({}, S), self.k, self.cfg).compile()
-            else:
-                _decode_slots.lower(self.params, self.state, np.zeros(S, np.int32), np.zeros(S, bool),
-                                    *self._sampling({}, S), self.cfg).compile()
+            held = np.zeros(S, bool)
+            for _ in range(decode_runs):
+                last = rng.integers(0, V, S, dtype=np.int32)
+                if self.k:
+                    out = _speculate_slots(self.params, self.model.mtp, self.state, last, held, np.zeros(S, np.int32),
+                                           *self._sampling({}, S), self.k, self.cfg)
+                else:
+                    out = _decode_slots(self.params, self.state, last, held, *self._sampling({}, S), self.cfg)
+                self.state = out[-1]
             n += 1
-            for R in rows:
-                for T in chunks:
-                    args = (np.arange(R, dtype=np.int32), np.zeros((R, T), np.int32), np.zeros(R, np.int32),
-                            np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
-                    _prefill_rows.lower(self.params, self.model.mtp, self.state, *args, self.cfg).compile()
-                    n += 1
+            for R, T in itertools.product(rows, chunks):
+                args = (np.arange(R, dtype=np.int32), rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32),
+                        np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
+                _, self.state = _prefill_rows(self.params, self.model.mtp, self.state, *args, self.cfg)
+                n += 1
+            jax.block_until_ready(self.state)
         return n
 
     def stats(self) -> dict:
@@ -482,15 +491,20 @@ class StaticEngine(Engine):
                 self._finish(r, "stop")
         return True
 
-    def warmup(self) -> int:
+    def warmup(self, decode_runs: int = 4) -> int:
         """Runs `generate` once for every batch bucket and prefill chunk length it can meet at this
-        max_len, so that serving compiles nothing; returns the number of runs."""
+        max_len, on random prompts and for up to `decode_runs` tokens, so that serving compiles
+        nothing and no request pays a first run through an expert (see `Engine.warmup`); returns
+        the number of runs."""
         rows = sorted({self.model.batch_rows(batch_bucket(n)) for n in range(1, self.slots + 1)})
         lengths = sorted({chunk_bucket(1 << i) for i in range(PREFILL_CHUNK.bit_length())} - {0})
+        rng = np.random.default_rng(0)
         n = 0
         for R in rows:
             for L in lengths:
                 if L + 1 <= self.max_len:
-                    run_request(self.model, self.cfg, validate_request([[1] * L] * R, self.cfg, 1, max_len=self.max_len))
+                    prompts = rng.integers(0, self.cfg.vocab_size, (R, L)).tolist()
+                    tokens = min(decode_runs, self.max_len - L)
+                    run_request(self.model, self.cfg, validate_request(prompts, self.cfg, tokens, max_len=self.max_len))
                     n += 1
         return n

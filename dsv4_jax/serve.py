@@ -3,8 +3,8 @@
 FastAPI on uvicorn. The engine (dsv4_jax/engine.py, continuous batching over cache slots) runs in
 its own thread (`Engine.start`); a request's tokens come back through its `on_token` callback on
 that thread, which hands them to the request's asyncio queue with `loop.call_soon_threadsafe`.
-The checkpoint's programs are all compiled before the port opens (`Engine.warmup`, unless
---no-warmup), so no request pays a compilation.
+The checkpoint's programs are all compiled and run once before the port opens (`Engine.warmup`,
+unless --no-warmup), so no request pays a compilation or a program's slow first run.
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (prompt: text, a list
 of texts, token ids or a list of token-id lists; one choice per prompt), `POST
@@ -743,7 +743,7 @@ def load_service(args, log=None) -> Service:
     if not args.no_warmup:
         t0 = time.perf_counter()
         n = engine.warmup()
-        log(f"warm-up compiled {n} programs in {time.perf_counter() - t0:.1f}s")
+        log(f"warm-up compiled and ran {n} programs in {time.perf_counter() - t0:.1f}s")
     return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine))
 
 

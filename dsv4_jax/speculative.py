@@ -178,7 +178,8 @@ def verify_round(params: dict, mtp: dict | None, cache: dict, mtp_cache: dict, l
     i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.where(i < kept[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     cache = {**cache, "pos": jnp.where(active, q0 + kept + 1, q0)}
-    pending = Pending(hidden, tokens, jnp.where(active, kept + 1, 0))
+    pending = jax.tree.map(lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old),
+                           Pending(hidden, tokens, kept + 1), pending)  # the rows that hold keep theirs
     return cache, mtp_cache, pending, tokens, kept
 
 

@@ -67,6 +67,20 @@ class _Compiles:
 COMPILES = _Compiles()
 
 
+def test_warmup_runs_every_program_and_changes_no_state(model):
+    """warm-up runs each program on random ids in rows that hold: afterwards the state is a new
+    engine's, leaf for leaf, and a request compiles nothing."""
+    eng = Engine(model, slots=2, max_len=64, prefill_chunk=16)
+    assert eng.warmup(decode_runs=2) == 1 + 2 * 1  # decode, and prefill for rows 1 / 2 x chunk 16
+    fresh = jax.tree.leaves(eng._new_state())
+    after = jax.tree.leaves(eng.state)
+    assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))
+    before = COMPILES.n
+    r = eng.submit([3, 1, 4, 1, 5], 3)
+    eng.run_until_idle()
+    assert len(r.tokens) == 3 and COMPILES.n == before
+
+
 def test_continuous_batching_matches_generate(engine, alone, model):
     """36 requests of 1 to 300 prompt tokens and 1 to 40 new ones (window 8, ratio-4 and ratio-128
     boundaries crossed in prompts and in decoding), arriving a few at a time while others decode

@@ -120,7 +120,7 @@ def live(setup):
     args = serve.parse_args(["--ckpt", str(setup["ckpt"]), *FLAGS])
     logs = []
     service = serve.load_service(args, log=logs.append)
-    assert any("warm-up compiled 3 programs" in m for m in logs), logs  # decode + prefill at 1 / 2 rows x 16
+    assert any("warm-up compiled and ran 3 programs" in m for m in logs), logs  # decode + prefill at 1 / 2 rows x 16
     sock = serve.listen_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(serve.create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -161,6 +161,21 @@ def test_engine_speculates_per_request(model, prompts, alone_in_chunks_of_16):
         eng.submit(prompts[0], 4, speculative_tokens=4)
 
 
+def test_engine_warmup_with_speculation_changes_no_state(model, prompts, alone_in_chunks_of_16):
+    """warm-up runs the verification round and the prefill (MTP block included) on random ids in
+    rows that hold: the state after it is a new engine's, leaf for leaf, and a request then gets
+    generate's tokens."""
+    from dsv4_jax.engine import Engine
+
+    eng = Engine(model, slots=1, max_len=64, prefill_chunk=16, speculative_tokens=2)
+    assert eng.warmup(decode_runs=2) == 2
+    fresh, after = jax.tree.leaves(eng._new_state()), jax.tree.leaves(eng.state)
+    assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))
+    r = eng.submit(prompts[1][:20], 6)
+    eng.run_until_idle()
+    assert r.tokens == alone_in_chunks_of_16(prompts[1][:20], 6)
+
+
 def test_server_speculates(model, tmp_path_factory, prompts, alone_in_chunks_of_16):
     """dsv4-serve --speculative-tokens 2: concurrent greedy completions equal generate's tokens; the
     spec-decode counters are on /metrics (per position too); a request may ask for fewer drafts,
