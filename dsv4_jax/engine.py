@@ -365,9 +365,9 @@ class Engine:
         so nothing in the cache changes; the decode step `decode_runs` times, each with other
         ids); returns how many programs it compiled. Running them matters on CPU: there the
         experts are branches of a switch (dsv4_jax/layer_weights.py), and a program's first run
-        through a branch was slow (flash-mini, 16 slots: a 64-token chunk took 551 ms on its first
-        run with random ids after one with all-zero ids, which chose few experts, then 186 and 127
-        ms), a cost a request would otherwise pay."""
+        through a branch is slow (timed by hand on flash-mini, 16 slots: a 64-token chunk took 551
+        ms on its first run with random ids, after one with all-zero ids, which choose few experts,
+        then 186 and 127 ms), a cost a request would otherwise pay."""
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V, n = self.slots, self.cfg.vocab_size, 0

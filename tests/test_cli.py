@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from conftest import stderr_lines
 from hf_oracle import TINY

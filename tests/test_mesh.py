@@ -9,7 +9,6 @@ order; observed about 1e-6). Greedy tokens: identical.
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
