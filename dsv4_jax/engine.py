@@ -272,20 +272,15 @@ class Engine:
         k + 1 tokens each."""
         active = np.zeros(self.slots, bool)
         active[[r.slot for r in generating]] = True
-        sampling_rows = self._sampling({r.slot: r for r in generating}, self.slots)
-        with self.model.on_mesh():
-            if not self.k:
-                tokens, self.state = _decode_slots(self.params, self.state, self.next_token.copy(), active,
-                                                   *sampling_rows, self.cfg)
-                tokens = np.asarray(tokens)
-                for r in generating:
-                    self._emit(r, int(tokens[r.slot]))
-                return
-            limit = np.zeros(self.slots, np.int32)
-            limit[[r.slot for r in generating]] = [r.speculative_tokens for r in generating]
-            tokens, kept, self.state = _speculate_slots(self.params, self.model.mtp, self.state,
-                                                        self.next_token.copy(), active, limit, *sampling_rows,
-                                                        self.k, self.cfg)
+        limit = np.zeros(self.slots, np.int32)
+        limit[[r.slot for r in generating]] = [r.speculative_tokens for r in generating]
+        tokens, kept = self._run_decode(self.next_token.copy(), active, limit,
+                                        self._sampling({r.slot: r for r in generating}, self.slots))
+        if kept is None:
+            tokens = np.asarray(tokens)
+            for r in generating:
+                self._emit(r, int(tokens[r.slot]))
+            return
         tokens, kept = np.asarray(tokens), np.asarray(kept)
         c = self.counters
         for r in generating:
@@ -299,6 +294,19 @@ class Engine:
                 self._emit(r, int(t))
                 if r.done:
                     break
+
+    def _run_decode(self, last, active, limit, sampling_rows) -> tuple:
+        """The engine's decode program over all slots, from each slot's last token `last` `[S]`
+        (the slots not `active` hold): one token each, or with speculation one verification round
+        keeping at most limit[s] drafts. Returns (tokens `[S]`, None) or (tokens `[S, k + 1]`,
+        kept `[S]`); the state is the program's."""
+        with self.model.on_mesh():
+            if not self.k:
+                tokens, self.state = _decode_slots(self.params, self.state, last, active, *sampling_rows, self.cfg)
+                return tokens, None
+            tokens, kept, self.state = _speculate_slots(self.params, self.model.mtp, self.state, last, active, limit,
+                                                        *sampling_rows, self.k, self.cfg)
+            return tokens, kept
 
     def _emit(self, req: Request, token: int) -> None:
         """Hands a generated token to its request and ends the request where it stops."""
@@ -370,19 +378,13 @@ class Engine:
         then 186 and 127 ms), a cost a request would otherwise pay."""
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
-        S, V, n = self.slots, self.cfg.vocab_size, 0
+        S, V = self.slots, self.cfg.vocab_size
         rng = np.random.default_rng(0)
+        for _ in range(decode_runs):
+            self._run_decode(rng.integers(0, V, S, dtype=np.int32), np.zeros(S, bool), np.zeros(S, np.int32),
+                             self._sampling({}, S))
+        n = 1  # the decode program
         with self.model.on_mesh():
-            held = np.zeros(S, bool)
-            for _ in range(decode_runs):
-                last = rng.integers(0, V, S, dtype=np.int32)
-                if self.k:
-                    out = _speculate_slots(self.params, self.model.mtp, self.state, last, held, np.zeros(S, np.int32),
-                                           *self._sampling({}, S), self.k, self.cfg)
-                else:
-                    out = _decode_slots(self.params, self.state, last, held, *self._sampling({}, S), self.cfg)
-                self.state = out[-1]
-            n += 1
             for R, T in itertools.product(rows, chunks):
                 args = (np.arange(R, dtype=np.int32), rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32),
                         np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)

@@ -706,7 +706,7 @@ def _tokenizer(ckpt: str):
 
 
 def load_service(args, log=None) -> Service:
-    """Loads the checkpoint, builds the engine and (unless --no-warmup) compiles its programs.
+    """Loads the checkpoint, builds the engine and (unless --no-warmup) compiles and runs its programs.
     ValueError / OSError for a bad flag or checkpoint."""
     from . import compile_cache
     from .cli_args import model_options
