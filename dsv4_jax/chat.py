@@ -14,6 +14,14 @@ text where it stands, each user turn `<｜User｜>` + text, each earlier assista
 with `chat_template_kwargs: {"thinking": true}` ("thinking" mode).
 
 Message content is a string, or a list of `{"type": "text", "text": ...}` parts (joined with "\\n").
+
+The request's own text (message content, string values of chat_template_kwargs) is the user's,
+not the format's: a special-token string in it (`<｜User｜>`, `<｜end▁of▁sentence｜>`, any
+string of the tokenizer's added tokens) is replaced by a marker before rendering, and
+`ChatPrompt.literals` maps each marker back to its string, which the server encodes as plain
+text (dsv4_jax/tokenization.py), so a message cannot forge a turn. Text a tokenizer cannot take
+(a lone surrogate) is refused naming its field. A template may not be handed its own variables
+(`RESERVED`) through chat_template_kwargs, and any error it raises is a ChatError.
 """
 
 from __future__ import annotations
@@ -21,12 +29,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import secrets
 from datetime import datetime
+
+from .tokenization import surrogate_message
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
     "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
 ROLES = ("system", "developer", "user", "assistant")
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# Variables a template gets from the server, which chat_template_kwargs may not replace.
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents",
+            "continue_final_message", "chat_template", "tokenize")
+MAX_DEPTH = 32  # the deepest lists and objects chat_template_kwargs may nest
 
 
 class ChatError(ValueError):
@@ -64,10 +80,54 @@ def normalize_messages(messages) -> list[dict]:
                                     f"{where}.content[{j}]")
                 texts.append(part["text"])
             content = "\n".join(texts)
+            for j, text in enumerate(texts):
+                _check_text(text, f"{where}.content[{j}].text")
         if not isinstance(content, str):
             raise ChatError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        _check_text(content, f"{where}.content")
         out.append({"role": role, "content": content})
     return out
+
+
+def _check_text(text: str, where: str) -> None:
+    message = surrogate_message(text, where)
+    if message is not None:
+        raise ChatError(message, where)
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """A rendered prompt: `text`, in which each special-token string of the request's own text is
+    a marker, and `literals`, each marker's string (to be encoded as plain text)."""
+
+    text: str
+    literals: dict[str, str]
+
+
+class _Literals:
+    """Replaces the special-token strings `specials` in a request's text by markers that neither
+    the template nor the user's text can produce (a random nonce in private-use characters)."""
+
+    def __init__(self, specials):
+        specials = sorted({s for s in specials if s}, key=len, reverse=True)  # the longest match first
+        self.pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.nonce = secrets.token_hex(8)
+        self.literals: dict[str, str] = {}
+
+    def _marker(self, match: re.Match) -> str:
+        marker = f"\ue000{self.nonce}.{len(self.literals)}\ue001"
+        self.literals[marker] = match.group()
+        return marker
+
+    def __call__(self, value):
+        """`value` with its strings (also inside lists and dicts) marked."""
+        if isinstance(value, str):
+            return value if self.pattern is None else self.pattern.sub(self._marker, value)
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        return value
 
 
 def default_prompt(messages: list[dict], thinking: bool = False) -> str:
@@ -97,13 +157,17 @@ class ChatFormat:
     def name(self) -> str:
         return "the checkpoint's chat template" if self.template is not None else "the DeepSeek-V3.2/V4 format"
 
-    def render(self, messages, kwargs: dict | None = None) -> str:
-        """Prompt text for the request's messages; ChatError for bad messages, kwargs, or a
-        template that fails (its `raise_exception` included)."""
+    def render(self, messages, kwargs: dict | None = None, specials=()) -> ChatPrompt:
+        """The prompt for the request's messages, the special-token strings `specials` of the
+        request's own text marked (module doc); ChatError for bad messages, kwargs, or a template
+        that fails (its `raise_exception` included)."""
         messages = normalize_messages(messages)
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise ChatError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        _check_kwargs(kwargs)
+        mark = _Literals(specials)
+        messages, kwargs = mark(messages), mark(kwargs)
         if self.template is None:
             unknown = sorted(set(kwargs) - {"thinking"})
             if unknown:
@@ -112,15 +176,47 @@ class ChatFormat:
             thinking = kwargs.get("thinking", False)
             if not isinstance(thinking, bool):
                 raise ChatError("chat_template_kwargs.thinking must be true or false", "chat_template_kwargs")
-            return default_prompt(messages, thinking)
+            return ChatPrompt(default_prompt(messages, thinking), mark.literals)
         import jinja2
 
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs,
                      "messages": messages, "add_generation_prompt": True}
         try:
-            return self.template.render(**variables)
+            text = self.template.render(**variables)
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template failed: {e}", "messages") from None
+        except Exception as e:  # noqa: BLE001  a template may raise anything (OverflowError for a huge range, ...)
+            raise ChatError(f"the chat template failed: {type(e).__name__}: {e}", "messages") from None
+        return ChatPrompt(text, mark.literals)
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    """chat_template_kwargs may not set the template's own variables, nor hold text a tokenizer
+    cannot take."""
+    for key, value in kwargs.items():
+        where = f"chat_template_kwargs.{key}"
+        if key in RESERVED:
+            raise ChatError(f"{where}: '{key}' is set by the server and may not be passed to the chat template",
+                            "chat_template_kwargs")
+        for text in _strings(key, value, where):
+            _check_text(text, where)
+
+
+def _strings(key: str, value, where: str):
+    """`key` and every string in `value`, also inside lists and dicts (keys included); a ChatError
+    when `value` nests deeper than MAX_DEPTH (the template and the marking walk it recursively)."""
+    yield key
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ChatError(f"{where} is nested more than {MAX_DEPTH} levels deep", "chat_template_kwargs")
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, list):
+            stack += [(x, depth + 1) for x in v]
+        elif isinstance(v, dict):
+            stack += [(x, depth + 1) for x in (*v.keys(), *v.values())]
 
 
 def _token_text(value) -> str | None:

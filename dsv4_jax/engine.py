@@ -55,7 +55,7 @@ from .mtp import init_mtp_cache
 
 
 class QueueFull(Exception):
-    """The waiting queue holds `max_queue` requests already."""
+    """`max_queue` requests already wait with no free slot to take them."""
 
 
 @dataclasses.dataclass
@@ -167,8 +167,11 @@ class Engine:
         if not 0 <= drafts <= self.k:
             raise ValueError(f"speculative_tokens must be between 0 and the server's {self.k}, got {drafts}")
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue holds {self.max_queue})")
+            # Only requests that no free slot will take at the next step wait; the others are
+            # admitted then, so they never count against max_queue.
+            queued = len(self.waiting) - len(self.free)
+            if queued >= self.max_queue:
+                raise QueueFull(f"{queued} requests are waiting for a slot already (the queue holds {self.max_queue})")
             req = Request(next(self.ids), prompt, int(max_tokens), float(temperature), int(top_k), float(top_p),
                           int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic(),
                           speculative_tokens=drafts)
@@ -367,31 +370,35 @@ class Engine:
                     return
             self.step()
 
-    def warmup(self, decode_runs: int = 4) -> int:
+    def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
         """Compiles every program the engine can run (the decode step, and the prefill for every
         rows x chunk bucket) and runs each on random token ids in rows that hold (no token counts,
         so nothing in the cache changes; the decode step `decode_runs` times, each with other
-        ids); returns how many programs it compiled. Running them matters on CPU: there the
-        experts are branches of a switch (dsv4_jax/layer_weights.py), and a program's first run
-        through a branch is slow (timed by hand on flash-mini, 16 slots: a 64-token chunk took 551
-        ms on its first run with random ids, after one with all-zero ids, which choose few experts,
-        then 186 and 127 ms), a cost a request would otherwise pay."""
-        rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in range(self.slots.bit_length())})
+        ids); returns how many programs it compiled. `progress(i, n, name)` is called as the
+        i-th of the n programs is ready. Running them matters on CPU: there the experts are
+        branches of a switch (dsv4_jax/layer_weights.py), and a program's first run through a
+        branch is slow, a cost a request would otherwise pay (README, "Serving benchmark")."""
+        # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
+        powers = range((self.slots - 1).bit_length() + 1)
+        rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V = self.slots, self.cfg.vocab_size
+        total = 1 + len(rows) * len(chunks)
+        report = progress or (lambda *_: None)
         rng = np.random.default_rng(0)
         for _ in range(decode_runs):
             self._run_decode(rng.integers(0, V, S, dtype=np.int32), np.zeros(S, bool), np.zeros(S, np.int32),
                              self._sampling({}, S))
-        n = 1  # the decode program
+        jax.block_until_ready(self.state)
+        report(1, total, f"decode step ({S} slots)")
         with self.model.on_mesh():
-            for R, T in itertools.product(rows, chunks):
+            for i, (R, T) in enumerate(itertools.product(rows, chunks), 2):
                 args = (np.arange(R, dtype=np.int32), rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32),
                         np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
                 _, self.state = _prefill_rows(self.params, self.model.mtp, self.state, *args, self.cfg)
-                n += 1
-            jax.block_until_ready(self.state)
-        return n
+                jax.block_until_ready(self.state)
+                report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
+        return total
 
     def stats(self) -> dict:
         """Requests running / waiting, slots in use, the cache's use (tokens held over capacity)
@@ -493,20 +500,19 @@ class StaticEngine(Engine):
                 self._finish(r, "stop")
         return True
 
-    def warmup(self, decode_runs: int = 4) -> int:
+    def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
         """Runs `generate` once for every batch bucket and prefill chunk length it can meet at this
         max_len, on random prompts and for up to `decode_runs` tokens, so that serving compiles
-        nothing and no request pays a first run through an expert (see `Engine.warmup`); returns
-        the number of runs."""
+        nothing and no request pays a first run through an expert (see `Engine.warmup`, also for
+        `progress`); returns the number of runs."""
         rows = sorted({self.model.batch_rows(batch_bucket(n)) for n in range(1, self.slots + 1)})
         lengths = sorted({chunk_bucket(1 << i) for i in range(PREFILL_CHUNK.bit_length())} - {0})
+        runs = [(R, L) for R in rows for L in lengths if L + 1 <= self.max_len]
+        report = progress or (lambda *_: None)
         rng = np.random.default_rng(0)
-        n = 0
-        for R in rows:
-            for L in lengths:
-                if L + 1 <= self.max_len:
-                    prompts = rng.integers(0, self.cfg.vocab_size, (R, L)).tolist()
-                    tokens = min(decode_runs, self.max_len - L)
-                    run_request(self.model, self.cfg, validate_request(prompts, self.cfg, tokens, max_len=self.max_len))
-                    n += 1
-        return n
+        for i, (R, L) in enumerate(runs, 1):
+            prompts = rng.integers(0, self.cfg.vocab_size, (R, L)).tolist()
+            tokens = min(decode_runs, self.max_len - L)
+            run_request(self.model, self.cfg, validate_request(prompts, self.cfg, tokens, max_len=self.max_len))
+            report(i, len(runs), f"generate ({R} row{'s' * (R > 1)}, {L}-token prompts)")
+        return len(runs)

@@ -26,7 +26,9 @@ def _restricted(logits: jnp.ndarray, t, k, p) -> jnp.ndarray:
     kth = ordered[jnp.clip(jnp.where(k > 0, k, V) - 1, 0, V - 1)]
     probs = jax.nn.softmax(ordered)
     before = jnp.cumsum(probs) - probs  # probability mass strictly above each token
-    cutoff = jnp.min(jnp.where((before < p) & (ordered >= kth), ordered, jnp.inf))
+    # The first token is kept whatever p: a top_p that rounds to 0 in float32 keeps only it.
+    kept = ((before < p) | (jnp.arange(V) == 0)) & (ordered >= kth)
+    cutoff = jnp.min(jnp.where(kept, ordered, jnp.inf))
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 

@@ -3,8 +3,11 @@
 FastAPI on uvicorn. The engine (dsv4_jax/engine.py, continuous batching over cache slots) runs in
 its own thread (`Engine.start`); a request's tokens come back through its `on_token` callback on
 that thread, which hands them to the request's asyncio queue with `loop.call_soon_threadsafe`.
-The checkpoint's programs are all compiled and run once before the port opens (`Engine.warmup`,
-unless --no-warmup), so no request pays a compilation or a program's slow first run.
+The checkpoint's programs are all compiled (or loaded from the compilation cache) and run once
+before the port opens (`warmup`, a line of progress per program; unless --no-warmup), so no
+request pays a compilation or a program's slow first run. Text is tokenized in worker threads
+(dsv4_jax/tokenization.py) and a text whose length alone proves it too long for the context is
+refused before it is tokenized, so a large prompt does not stall the other clients.
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (prompt: text, a list
 of texts, token ids or a list of token-id lists; one choice per prompt), `POST
@@ -31,13 +34,18 @@ naming the field: `n`, `best_of`, `echo`, `suffix`, `logprobs`, `top_logprobs`,
 `web_search_options`, `verbosity`. Any other field is a 400 ("Unrecognized request argument").
 
 Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with the HTTP status as
-`code`: 400 for a bad request (malformed JSON, a field of the wrong type or value, a token id
-outside the vocabulary, a prompt longer than the context or max_tokens past it, in OpenAI's
-wording), 404 for another model name, 503 when the waiting queue is full (--max-queue). A client
-that disconnects has its requests cancelled, which frees their slots: a stream's at once (the
-ASGI stack cancels its task), any request's within half a second (`POLL_S`). SIGINT / SIGTERM
-shut down gracefully: the port closes, requests in flight finish, the engine stops, and the
-process exits 0. Bad flags or a bad checkpoint print one line and exit 1.
+`code` (dsv4_jax/serve_http.py): 400 for a bad request (malformed JSON, a field of the wrong type
+or value, text with a lone surrogate, a token id outside the vocabulary, a prompt longer than the
+context or max_tokens past it, in OpenAI's wording), 401 without the --api-key (`/v1/*` only),
+404 for another model name, 408 for a body slower than --timeout-read, 413 for a body over
+--max-request-bytes, 500 for a bug of ours (logged; the connection stays open, as it does after
+every error), 503 when --max-queue requests already wait with no free slot for them, or a
+request the shutdown cut off. A client that disconnects has its requests cancelled, which frees
+their slots: a stream's at once (the ASGI stack cancels its task), any request's within half a
+second (`POLL_S`). SIGINT / SIGTERM shut down gracefully: the port closes, idle and half-sent
+connections close, requests in flight get --timeout-graceful-shutdown seconds to finish (then
+they are cut off), the engine stops, and the process exits 0. Bad flags or a bad checkpoint
+print one line and exit 1.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,6 +74,8 @@ from .bench_serve import SPEC_DECODE_COUNTERS
 from .chat import ChatError, ChatFormat, load_chat_format
 from .cli_args import ArgumentParser, UsageError
 from .engine import Engine, QueueFull, StaticEngine
+from .serve_http import APIError, Gate, error_response, protocol
+from .tokenization import ServerTokenizer, TextOutput, surrogate_message
 
 PROG = "dsv4-serve"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -79,20 +89,11 @@ NEUTRAL = {  # OpenAI fields we do not implement, accepted (besides null) only a
     "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (),
 }
-STATUS_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               500: "internal_server_error", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    """An error response: HTTP status, message, and the request field it concerns."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": STATUS_TYPE.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
+MAX_REQUEST_BYTES = 16 << 20  # --max-request-bytes default: a 1M-token prompt as text or as ids fits
+READ_TIMEOUT_S = 30.0  # --timeout-read default
+GRACEFUL_SHUTDOWN_S = 30.0  # --timeout-graceful-shutdown default
+API_KEY_ENV = "DSV4_API_KEY"
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}  # for an empty body's message
 
 
 class ClientGone(Exception):
@@ -169,51 +170,6 @@ def _check_neutral(body: _Common) -> None:
             allowed = " or ".join(json.dumps(v) for v in (None, *NEUTRAL[name]))
             raise APIError(400, f"'{name}' is not supported by this server (accepted: {allowed}), got "
                                 f"{json.dumps(value)}", name)
-
-
-# ---- output text ----------------------------------------------------------------------------
-
-class TextOutput:
-    """One request's output text as its tokens arrive.
-
-    Incremental detokenization: the tokens since the last boundary are decoded together with the
-    ones before it (`prefix`..`read`, whose text was taken), and new text is taken only when it
-    does not end in U+FFFD (a UTF-8 character split across tokens) or the request ends, so a
-    character is never emitted in parts and the pieces add up to the whole output decoded at once
-    (special tokens skipped). Stop strings: the text is cut before the first one and the request
-    ends; until then the last len(longest stop) - 1 characters are held back, as they may begin
-    one."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] decode to text already taken (context for the next ones)
-        self.text, self.sent = "", 0
-        self.hold = max(map(len, stops), default=1) - 1
-        self.stopped = False  # a stop string matched
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, token: int | None, final: bool) -> str:
-        """Adds a generated token (None: a stop token, whose text is not output) and returns the
-        text now ready to send; `final`: the request ends with it (everything is sent)."""
-        if token is not None:
-            self.ids.append(token)
-        before, after = self._decode(self.ids[self.prefix: self.read]), self._decode(self.ids[self.prefix:])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self._extend(after[len(before):])
-            self.prefix, self.read = self.read, len(self.ids)
-        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
-        delta, self.sent = self.text[self.sent: end], end
-        return delta
-
-    def _extend(self, new: str) -> None:
-        start = max(0, len(self.text) - self.hold)  # the earliest a stop string ending in `new` can begin
-        self.text += new
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
 
 
 # ---- metrics --------------------------------------------------------------------------------
@@ -314,7 +270,7 @@ class Service:
     """What the handlers share: the engine, the tokenizer, the chat format, names and ids."""
 
     engine: Engine
-    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer: ServerTokenizer
     chat: ChatFormat
     model_name: str
     eos_ids: tuple[int, ...]
@@ -369,16 +325,35 @@ def _stops(stop) -> list[str]:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    for i, text in enumerate(stops):
+        _check_text(text, "stop" if isinstance(stop, str) else f"stop[{i}]")
     return stops
 
 
-def _completion_prompts(prompt, service: Service) -> list[list[int]]:
-    """`prompt` as token-id lists: text (encoded with the tokenizer's special tokens, e.g. bos),
-    a list of texts, token ids, or a list of token-id lists."""
+def _check_text(text: str, param: str) -> None:
+    message = surrogate_message(text, param)
+    if message is not None:
+        raise APIError(400, message, param)
+
+
+def _check_length(text: str, service: Service, param: str) -> None:
+    """Refuses a text that its length in characters already proves too long for the context,
+    before it is tokenized."""
+    n, limit = service.tokenizer.min_tokens(text), service.engine.max_len
+    if n >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has at "
+                            f"least {n} input tokens ({len(text)} characters). Please reduce the length of the "
+                            f"input.", param)
+
+
+async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
+    """`prompt` as token-id lists: text (encoded with the tokenizer's special tokens, e.g. bos,
+    in a worker thread), a list of texts, token ids, or a list of token-id lists."""
     def is_id(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if isinstance(prompt, str):
+    single = isinstance(prompt, str)
+    if single:
         prompt = [prompt]
     elif isinstance(prompt, list) and prompt and all(map(is_id, prompt)):
         return [prompt]
@@ -387,7 +362,13 @@ def _completion_prompts(prompt, service: Service) -> list[list[int]]:
             or all(isinstance(p, list) and p and all(map(is_id, p)) for p in prompt))):
         raise APIError(400, "prompt must be a string, a list of strings, a non-empty list of token ids or a list of "
                             "non-empty token-id lists", "prompt")
-    return [service.tokenizer.encode(p).ids if isinstance(p, str) else p for p in prompt]
+    if not isinstance(prompt[0], str):
+        return prompt
+    for i, text in enumerate(prompt):
+        param = "prompt" if single else f"prompt[{i}]"
+        _check_text(text, param)
+        _check_length(text, service, param)
+    return await asyncio.to_thread(service.tokenizer.encode, prompt)
 
 
 class Generation:
@@ -551,8 +532,117 @@ async def _respond(gen: Generation, body: _Common, kind: str, model: str) -> Res
     return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
 
 
-def create_app(service: Service) -> FastAPI:
-    """The ASGI app; its lifespan starts the engine thread and stops it at shutdown."""
+# ---- the API's documented responses (/openapi.json) ------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body."""
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+ERROR_STATUSES = {
+    400: "A malformed or invalid request (the field is named in `param`)",
+    401: "The server has an API key (--api-key) and the request did not send it as `Authorization: Bearer KEY`",
+    404: "Another model name than the served one",
+    408: "The request body did not arrive within --timeout-read seconds",
+    413: "The request body is larger than --max-request-bytes",
+    500: "An internal error (logged by the server)",
+    503: "The waiting queue is full, the engine stopped, or the server shut down before the request finished",
+}
+SSE = {"text/event-stream": {"schema": {"type": "string"},
+                             "description": "With `stream: true`: one `data: {chunk}` event per token, then "
+                                            "`data: [DONE]`"}}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict:
+    out = {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+    if stream:
+        out[200] = {"content": SSE}
+    return out
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without the 422 it adds to every route with parameters: the server
+    answers every invalid request with a 400 in the error shape."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               read_timeout: float = READ_TIMEOUT_S) -> FastAPI:
+    """The ASGI app behind `Gate` (dsv4_jax/serve_http.py: API key, body limit and deadline,
+    internal errors); its lifespan starts the engine thread and stops it at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -563,10 +653,12 @@ def create_app(service: Service) -> FastAPI:
             service.engine.stop()
 
     app = FastAPI(title=PROG, lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
+    app.add_middleware(Gate, api_key=api_key, max_body=max_request_bytes, read_timeout=read_timeout)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
@@ -577,62 +669,63 @@ def create_app(service: Service) -> FastAPI:
             message, param = f"The request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})", None
         elif err["type"] == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
+        elif err["type"] == "string_unicode":  # a lone surrogate where pydantic reads text (a field's name)
+            message = (f"'{param}' is" if param else "A field name in the request body is") + (
+                " not valid Unicode text (it holds a lone surrogate); send text as UTF-8")
+        elif param is None and (err["type"] == "missing" or err.get("input", 0) is None):  # no body, or null
+            param = REQUIRED.get(request.url.path)
+            message = f"The request body is empty: send a JSON object with at least '{param}'"
         elif err["type"] == "missing":
             message = f"Missing required parameter: '{param}'"
         else:
             message = f"Invalid value for '{param}': {err['msg']}" if param else err["msg"]
-        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+        return error_response(APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def crashed(request, e: Exception):
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+        return error_response(APIError(e.status_code, str(e.detail)), e.headers)  # 405 keeps its Allow
 
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "dsv4-jax",
                 "max_model_len": service.engine.max_len}
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", responses=_responses(503))
+    async def health() -> dict:
         if not service.engine.alive():
             raise APIError(503, "the engine thread is not running")
         return {}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format (`dsv4:` names)"}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_responses(401))
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_responses(401, 404))
     async def model(model_id: str):
         if model_id != service.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model")
         return model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
     async def completions(body: CompletionRequest, http: Request):
         sampling = _checked_sampling(body, service)
-        prompts = _completion_prompts(body.prompt, service)
+        prompts = await _completion_prompts(body.prompt, service)
         m = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt")
         return await _respond(gen, body, "text_completion", service.model_name)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
     async def chat_completions(body: ChatRequest, http: Request):
         sampling = _checked_sampling(body, service)
-        try:
-            text = service.chat.render(body.messages, body.chat_template_kwargs)
-        except ChatError as e:
-            raise APIError(400, str(e), e.param) from None
-        prompt = service.tokenizer.encode(text, add_special_tokens=False).ids  # the format holds its own bos
+        prompt = await _chat_prompt(body, service)
         m = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if m is None:
             m = max(service.engine.max_len - len(prompt), 1)
@@ -640,6 +733,19 @@ def create_app(service: Service) -> FastAPI:
         return await _respond(gen, body, "chat.completion", service.model_name)
 
     return app
+
+
+async def _chat_prompt(body: ChatRequest, service: Service) -> list[int]:
+    """The request's messages rendered (dsv4_jax/chat.py) and encoded, both in a worker thread;
+    the special-token strings of the request's own text become plain text."""
+    tokenizer = service.tokenizer
+    try:
+        prompt = await asyncio.to_thread(service.chat.render, body.messages, body.chat_template_kwargs,
+                                         tokenizer.specials)
+    except ChatError as e:
+        raise APIError(400, str(e), e.param) from None
+    _check_length(prompt.text, service, "messages")
+    return await asyncio.to_thread(tokenizer.encode_chat, prompt.text, prompt.literals)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -671,7 +777,24 @@ def parse_args(argv=None):
                     help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
     ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
                                                              "requests then compile)")
-    return ap.parse_args(argv)
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help=f"largest request body; larger ones get 413 (default {MAX_REQUEST_BYTES})")
+    ap.add_argument("--timeout-read", type=float, default=READ_TIMEOUT_S,
+                    help="seconds a client has to send a request's headers (from connecting or from its previous "
+                         "response) and then its body; slower ones are cut off (default %(default)g)")
+    ap.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S,
+                    help="on SIGINT / SIGTERM, seconds the requests in flight have to finish before they are "
+                         "cancelled (default %(default)g)")
+    args = ap.parse_args(argv)
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--timeout-read", args.timeout_read),
+                        ("--timeout-graceful-shutdown", args.timeout_graceful_shutdown)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be positive, got {value:g}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty")
+    return args
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -700,7 +823,7 @@ def _tokenizer(ckpt: str):
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing: the server needs the checkpoint's tokenizer")
     try:
-        return Tokenizer.from_file(path)
+        return ServerTokenizer(Tokenizer.from_file(path))
     except Exception as e:  # noqa: BLE001  the tokenizers package raises plain Exceptions
         raise ValueError(f"{path}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") from None
 
@@ -740,11 +863,56 @@ def load_service(args, log=None) -> Service:
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
     log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
         f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")
+    if tokenizer.chars_per_token is None:
+        log("text prompts are not length-checked before they are tokenized (no bound on characters per token "
+            "holds for this tokenizer); --max-request-bytes limits them")
     if not args.no_warmup:
-        t0 = time.perf_counter()
-        n = engine.warmup()
-        log(f"warm-up compiled and ran {n} programs in {time.perf_counter() - t0:.1f}s")
+        warmup(engine, log)
     return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine))
+
+
+def warmup(engine: Engine, log) -> None:
+    """Runs the engine's warm-up (every program compiled, or loaded from the compilation cache,
+    and run once), logging a line per program and at the end how many were compiled and how
+    many loaded."""
+    from .compile_cache import CompileCounter
+
+    t0 = time.perf_counter()
+    compiled = loaded = 0
+    log("warm-up: compiling and running every program before the port opens (--no-warmup skips it)")
+    with CompileCounter() as counter:
+        seen = (0, 0)
+
+        def progress(i: int, total: int, name: str) -> None:
+            nonlocal seen, compiled, loaded
+            new = (counter.compiled - seen[0], counter.loaded - seen[1])
+            seen = (counter.compiled, counter.loaded)
+            how = "compiled" if new[0] else "loaded from the compilation cache" if new[1] else "already compiled"
+            compiled, loaded = compiled + bool(new[0]), loaded + bool(not new[0] and new[1])
+            log(f"warm-up: {i}/{total} {name}: {how}, run ({time.perf_counter() - t0:.1f}s)")
+
+        n = engine.warmup(progress=progress)
+    seconds = f"{time.perf_counter() - t0:.1f}s"
+    if compiled and loaded:
+        log(f"warm-up compiled {compiled} programs and loaded {loaded} from the compilation cache, and ran them "
+            f"in {seconds}")
+    elif loaded:
+        log(f"warm-up loaded {n} programs from the compilation cache and ran them in {seconds}")
+    elif compiled:
+        log(f"warm-up compiled {n} programs and ran them in {seconds}")
+    else:
+        log(f"warm-up ran {n} programs, compiled already, in {seconds}")
+
+
+def uvicorn_config(service: Service, args, log_level: str = "info"):
+    """uvicorn's configuration for the app: the h11 protocol with the header deadline and the
+    graceful shutdown of dsv4_jax/serve_http.py, the flags' limits."""
+    import uvicorn
+
+    app = create_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     read_timeout=args.timeout_read)
+    return uvicorn.Config(app, http=protocol(args.timeout_read), log_level=log_level,
+                          timeout_graceful_shutdown=args.timeout_graceful_shutdown)
 
 
 def main(argv=None) -> int:
@@ -766,13 +934,15 @@ def main(argv=None) -> int:
         sock.close()
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    host, port = sock.getsockname()[:2]
-    print(f"{PROG}: serving {service.model_name!r} on http://{host}:{port}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info"))
-    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the
-    # handler it found: a no-op one, so that a graceful shutdown exits 0.
+    server = uvicorn.Server(uvicorn_config(service, args, log_level="info"))
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM once it runs, then raises the signal again
+    # for the handler it found. This one also makes a signal that comes before uvicorn takes over
+    # a graceful shutdown, and after it a no-op, so that a graceful shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    host, port = sock.getsockname()[:2]
+    print(f"{PROG}: serving {service.model_name!r} on http://{host}:{port}"
+          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
 

@@ -1,6 +1,9 @@
+import contextlib
 import gc
 import os
 import sys
+import threading
+import time
 
 # The tests run on the CPU (the AOT tests compile for TPU / GPU without initialising those
 # platforms); without this, an installed libtpu / CUDA plugin logs its failed start-up on every
@@ -35,3 +38,27 @@ _PLUGIN_NOISE = ("All log messages before absl::InitializeLog() is called", "cud
 def stderr_lines(text: str) -> list[str]:
     """A subprocess's stderr lines, without the CUDA plugin's start-up lines."""
     return [line for line in text.splitlines() if not any(n in line for n in _PLUGIN_NOISE)]
+
+
+@contextlib.contextmanager
+def serving(service, args):
+    """dsv4-serve's app for `service` on uvicorn, configured as the command configures it
+    (`serve.uvicorn_config`), in a thread on a free port; yields the port, and at the end shuts
+    the server down (its lifespan stops the engine)."""
+    import uvicorn
+
+    from dsv4_jax import serve
+
+    sock = serve.listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(serve.uvicorn_config(service, args, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(60)

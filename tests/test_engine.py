@@ -161,8 +161,12 @@ def test_bad_requests_and_a_full_queue(model):
         eng.submit([1, V], 4)
     with pytest.raises(ValueError, match="prompt is empty"):
         eng.submit([], 4)
-    eng.submit([1, 2], 4)
-    eng.submit([1, 2], 4)
+    for _ in range(2 + 2):  # the free slots take 2 at the next step: they never count against the queue
+        eng.submit([1, 2], 4)
+    with pytest.raises(QueueFull, match="2 requests are waiting for a slot already"):
+        eng.submit([1, 2], 4)
+    eng.step()  # admitted 2: the slots are taken, 2 still wait
+    assert eng.stats()["waiting"] == 2
     with pytest.raises(QueueFull):
         eng.submit([1, 2], 4)
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):

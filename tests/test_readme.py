@@ -142,9 +142,9 @@ def _program(command: str) -> tuple[str, str] | None:
     words = command.split()
     if not words:
         return None
-    if re.fullmatch(r"dsv4-[a-z-]+", words[0]):  # (`dsv4-convert: wrote ...` is a message, not a command)
-        assert words[0] in SCRIPTS, f"README runs {words[0]}, which pyproject.toml does not install"
-        return "script", words[0]
+    if m := re.fullmatch(r"(?:\.venv/bin/)?(dsv4-[a-z-]+)", words[0]):  # (`dsv4-convert: wrote ...` is a message)
+        assert m.group(1) in SCRIPTS, f"README runs {m.group(1)}, which pyproject.toml does not install"
+        return "script", m.group(1)
     if re.fullmatch(r"(\S*/)?python3?", words[0]) and len(words) > 1:
         if words[1] == "-m" and len(words) > 2 and words[2].split(".")[0] in PACKAGES:
             return "module", words[2]
@@ -224,3 +224,17 @@ def test_flags_exist(monkeypatch, capsys):
                 assert ok, f"README: {command!r} shows {flag}, not a flag of {prog[1] if prog else 'any CLI'}"
                 seen.add(flag)
     assert {"--compile-cache", "--ids", "--eos", "--no-eos", "--pattern", "--prompt-len"} <= seen
+
+
+def test_commands_run_as_printed_after_the_setup():
+    """Every command the README shows (a program with arguments: ours, or python) runs as printed
+    after the two set-up commands: from the virtual environment they make, `.venv/bin/...`."""
+    bare = []
+    for command in _commands():
+        words = command.split()
+        if len(words) < 2 or words[0].endswith(":") or words[:3] == ["python3", "-m", "venv"]:
+            continue
+        if re.fullmatch(r"(\S*/)?(dsv4-[a-z-]+|python3?)", words[0]) and not words[0].startswith(".venv/bin/"):
+            bare.append(command)
+    assert not bare, bare
+    assert any(c.startswith(".venv/bin/dsv4-serve ") for c in _commands())

@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-import uvicorn
-from conftest import stderr_lines
+from conftest import serving, stderr_lines
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 import dsv4_jax
 from convert.cli import convert
-from dsv4_jax import bench_serve, chat, serve
+from dsv4_jax import bench_serve, chat, serve, tokenization
 from dsv4_jax.compile_cache import CompileCounter
 from dsv4_jax.random_checkpoint import write_random_checkpoint
 
@@ -120,18 +119,11 @@ def live(setup):
     args = serve.parse_args(["--ckpt", str(setup["ckpt"]), *FLAGS])
     logs = []
     service = serve.load_service(args, log=logs.append)
-    assert any("warm-up compiled and ran 3 programs" in m for m in logs), logs  # decode + prefill at 1 / 2 rows x 16
-    sock = serve.listen_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(serve.create_app(service), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Live(service, sock.getsockname()[1])
-    server.should_exit = True
-    thread.join(60)
+    # decode, and prefill at 1 / 2 rows x 16 tokens
+    assert any(m.startswith("warm-up compiled 3 programs and ran them") for m in logs), logs
+    assert any(m.startswith("warm-up: 3/3 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
+    with serving(service, args) as port:
+        yield Live(service, port)
     assert not service.engine.alive()  # the lifespan stopped the engine
 
 
@@ -356,33 +348,36 @@ def test_disconnect_while_waiting_cancels_the_request(live, monkeypatch):
 
 
 def test_full_queue_is_503(live, setup, monkeypatch):
-    """With the engine held (its step waits), MAX_QUEUE requests wait and the next gets a 503;
-    released, the waiting ones all complete."""
+    """With the engine held (its step waits), SLOTS requests that free slots will take and
+    MAX_QUEUE more wait; the next gets a 503. Released, the waiting ones all complete."""
     engine, gate = live.engine, threading.Event()
     step = engine.step
     _wait_idle(engine)
     monkeypatch.setattr(engine, "step", lambda: gate.wait() and step())
     body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
-    results = [None] * MAX_QUEUE
+    n = SLOTS + MAX_QUEUE
+    results = [None] * n
 
     def send(i):
         results[i] = live.http.post("/v1/completions", json=body)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(MAX_QUEUE)]
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while engine.stats()["waiting"] < MAX_QUEUE:
-        assert time.monotonic() < deadline, engine.stats()
-        time.sleep(0.02)
-    r = live.http.post("/v1/completions", json=body)
-    assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == 503 and "overloaded" in r.json()["error"]["message"]
-    monkeypatch.undo()
-    gate.set()
-    for t in threads:
-        t.join(60)
-    assert [x.status_code for x in results] == [200] * MAX_QUEUE
+    try:
+        deadline = time.monotonic() + 30
+        while engine.stats()["waiting"] < n:
+            assert time.monotonic() < deadline and all(r is None for r in results), (engine.stats(), results)
+            time.sleep(0.02)
+        r = live.http.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == 503 and "overloaded" in r.json()["error"]["message"]
+    finally:
+        monkeypatch.undo()
+        gate.set()
+        for t in threads:
+            t.join(60)
+    assert [x.status_code for x in results] == [200] * n
     assert all(x.json()["usage"]["completion_tokens"] == 2 for x in results)
 
 
@@ -464,7 +459,7 @@ def test_detokenizer_never_splits_a_character(tokenizer):
     text = "héllo wörld ✓ 😀 日本語, plain ascii too"
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     assert len(ids) > len(text) // 2  # byte-level: many characters take several tokens
-    out = serve.TextOutput(tokenizer, [])
+    out = tokenization.TextOutput(tokenizer, [])
     pieces = [out.add(t, i == len(ids) - 1) for i, t in enumerate(ids)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert any(p == "" for p in pieces)  # some tokens ended inside a character and waited
@@ -476,14 +471,14 @@ def test_detokenizer_pieces_add_up_to_the_whole_decode(tokenizer):
     rng = np.random.default_rng(0)
     for _ in range(20):
         ids = [int(x) for x in rng.integers(0, 512, int(rng.integers(1, 60)))]
-        out = serve.TextOutput(tokenizer, [])
+        out = tokenization.TextOutput(tokenizer, [])
         pieces = "".join(out.add(t, i == len(ids) - 1) for i, t in enumerate(ids))
         assert pieces == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_stop_strings_hold_back_and_cut(tokenizer):
     ids = tokenizer.encode("say STOP now", add_special_tokens=False).ids
-    out = serve.TextOutput(tokenizer, ["STOP", "xyz"])
+    out = tokenization.TextOutput(tokenizer, ["STOP", "xyz"])
     pieces = []
     for t in ids:
         pieces.append(out.add(t, False))
@@ -491,7 +486,7 @@ def test_stop_strings_hold_back_and_cut(tokenizer):
             break
     assert "".join(pieces) == "say " and out.stopped
     assert all(not p.endswith("ST") for p in pieces)  # a stop string's start is never sent early
-    out = serve.TextOutput(tokenizer, ["xyz"])  # no match: everything comes out at the end
+    out = tokenization.TextOutput(tokenizer, ["xyz"])  # no match: everything comes out at the end
     assert "".join(out.add(t, i == len(ids) - 1) for i, t in enumerate(ids)) == "say STOP now"
 
 
@@ -500,11 +495,11 @@ def test_default_chat_format():
             {"role": "assistant", "content": [{"type": "text", "text": "A1"}]}, {"role": "user", "content": "U2"}]
     B, E = chat.BOS, chat.EOS
     fmt = chat.ChatFormat()
-    assert fmt.render(msgs) == f"{B}S<｜User｜>U1<｜Assistant｜></think>A1{E}<｜User｜>U2<｜Assistant｜></think>"
-    assert fmt.render(msgs, {"thinking": True}).endswith("<｜User｜>U2<｜Assistant｜><think>")
+    assert fmt.render(msgs).text == f"{B}S<｜User｜>U1<｜Assistant｜></think>A1{E}<｜User｜>U2<｜Assistant｜></think>"
+    assert fmt.render(msgs, {"thinking": True}).text.endswith("<｜User｜>U2<｜Assistant｜><think>")
     with pytest.raises(chat.ChatError, match="tool_calls is not supported"):
         fmt.render([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}])
-    assert fmt.render([{"role": "user", "content": "x", "name": "bob", "tool_calls": None}]).count("x") == 1
+    assert fmt.render([{"role": "user", "content": "x", "name": "bob", "tool_calls": None}]).text.count("x") == 1
 
 
 def _write_template(d, template) -> str:
@@ -519,14 +514,14 @@ def test_checkpoint_chat_template_in_a_sandbox(tmp_path):
                 "{% if add_generation_prompt %}[assistant]{% endif %}{{ tag | default('') }}{{ {'k': 'é'} | tojson }}")
     fmt = chat.load_chat_format(_write_template(tmp_path, template))
     assert fmt.template is not None
-    assert fmt.render([{"role": "user", "content": "hi"}], {"tag": "!"}) == '<s>[user]hi[assistant]!{"k": "é"}'
+    assert fmt.render([{"role": "user", "content": "hi"}], {"tag": "!"}).text == '<s>[user]hi[assistant]!{"k": "é"}'
     with pytest.raises(chat.ChatError, match="no system"):
         fmt.render([{"role": "system", "content": "x"}])
     fmt = chat.load_chat_format(_write_template(tmp_path, "{{ ''.__class__.__mro__[1].__subclasses__() }}"))
     with pytest.raises(chat.ChatError, match="unsafe|not safely|access"):
         fmt.render([{"role": "user", "content": "x"}])
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages | length }}"}]
-    assert chat.load_chat_format(_write_template(tmp_path, named)).render([{"role": "user", "content": "x"}]) == "D1"
+    assert chat.load_chat_format(_write_template(tmp_path, named)).render([{"role": "user", "content": "x"}]).text == "D1"
     with pytest.raises(ValueError, match="chat_template does not compile"):
         chat.load_chat_format(_write_template(tmp_path, "{% for %}"))
 
