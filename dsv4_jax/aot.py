@@ -9,6 +9,8 @@ devices, and XLA reports its memory per device and its cost. Needs the `aot` ext
 Targets by name (`TARGETS`; their devices' memory, bandwidth and peak flops: `DEVICES`):
     v5p-8     TPU v5p, 4 chips in one host ("v5p:2x2x1")
     v6e-8     TPU v6e, 8 chips in one host ("v6e:2x4")
+    tpu7x-8   TPU v7x (Ironwood), 4 chips in one host, 8 devices: each chip's two TensorCores
+              are a device each ("tpu7x:2x2x1")
     h100x1    one H100 SXM 80 GB          (gpu_targets/h100_sxm.txtpb)
     h100x8    8 H100 SXM 80 GB in one host
     h200x8    8 H200 SXM 141 GB in one host (gpu_targets/h200_sxm.txtpb)
@@ -77,6 +79,11 @@ DEVICES = {d.kind: d for d in (
            "cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip, HBM2e 95 GB at 2765 GBps"),
     Device("TPU v6e", 32 * 10**9, 1638e9, 918e12,
            "cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip, HBM 32 GB at 1638 GBps"),
+    # A TPU v7x chip is two devices (one per TensorCore), each with half the chip's HBM and flops.
+    Device("TPU v7x", 192 * 2**30 // 2, 7.37e12 / 2, 2307e12 / 2,
+           "cloud.google.com/tpu/docs/tpu7x: 2307 TFLOPs bf16 (4614 fp8) and 192 GiB HBM per chip, "
+           "two TensorCores per chip; 7.37 TB/s HBM per chip from Google's Ironwood announcement (jax's "
+           "pallas tpu_info: 7.40e12 B/s, 2.31e15 bf16 flop/s, 206e9 bytes); halved per device"),
     Device("H100 SXM", 84929347584, 3.35232e12, 989.4e12,
            "NVIDIA H100 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; "
            "80 GB HBM3 at 3.35 TB/s (memory as gpu_targets/h100_sxm.txtpb gives it)"),
@@ -108,6 +115,7 @@ class Target:
 TARGETS = {t.name: t for t in (
     Target("v5p-8", "tpu", "v5p:2x2x1", 4, "TPU v5p", chips_per_host=(2, 2, 1)),
     Target("v6e-8", "tpu", "v6e:2x4", 8, "TPU v6e", chips_per_host=(2, 4, 1)),
+    Target("tpu7x-8", "tpu", "tpu7x:2x2x1", 8, "TPU v7x", chips_per_host=(2, 2, 1)),
     Target("h100x1", "cuda", "1x1x1", 1, "H100 SXM", gpu="h100_sxm"),
     Target("h100x8", "cuda", "1x1x8", 8, "H100 SXM", gpu="h100_sxm"),
     Target("h200x8", "cuda", "1x1x8", 8, "H200 SXM", gpu="h200_sxm"),

@@ -1,12 +1,16 @@
-"""The two hot spots of DeepSeek-V4 attention: Pallas kernels with a choice of implementation
-(`impl`: "pallas", "ref", "auto"), and their plain-JAX references (`*_ref`)."""
+"""The hot spots of DeepSeek-V4 (sparse attention, the KV compressor, matmuls by the published
+FP8 weights): Pallas kernels with a choice of implementation (`impl`: "pallas", "ref", "auto"),
+and their plain-JAX references (`*_ref`)."""
 
 from .compressor import compress
 from .compressor_ref import compress_ref
+from .quantized_matmul import quantized_matmul
+from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["compress", "compress_ref", "sparse_attention", "sparse_attention_ref"]
+__all__ = ["compress", "compress_ref", "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
+           "sparse_attention_ref"]
 
 
 def sparse_attention_mgpu_status() -> bool:

@@ -2,7 +2,8 @@
 DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and case).
 
 Each kernel is compiled ahead of time (dsv4_jax.aot; the `aot` extra, no accelerator needed) for
-TPU v5p, TPU v6e and an H100, and the record holds:
+TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 matmul, a TPU kernel only so far, for the TPUs),
+and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
@@ -13,8 +14,9 @@ TPU v5p, TPU v6e and an H100, and the record holds:
   * both: "program_memory" (XLA's memory analysis) and "minimum_bytes": what the kernel must
     move at least, every needed byte read once and the output written once (sparse attention:
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
-    first halves, cos, sin, the norm weight and the output).
-Usage: python -m pallas_kernels.report [--targets v5p-8,v6e-8,h100x1]
+    first halves, cos, sin, the norm weight and the output; FP8 matmul: the stored weight, values
+    and scales, x and the output).
+Usage: python -m pallas_kernels.report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from . import compress, sparse_attention  # noqa: E402
+from .quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 
-TARGETS = ("v5p-8", "v6e-8", "h100x1")
+TARGETS = ("v5p-8", "v6e-8", "tpu7x-8", "h100x1")
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
 # DeepSeek-V4-Flash: 64 heads of 512, window 128, top-k 512 (K = 640), index heads of 128, rope 64.
@@ -73,6 +76,15 @@ def _compress_case(ratio: int, d: int, n: int) -> dict:
     return {"fn": fn, "args": args, "shapes": shapes, "minimum_bytes": minimum}
 
 
+def _fp8_matmul_case(m: int, n: int, k: int) -> dict:
+    """x `[m, k]` bf16 times a Flash FP8 weight `[n, k]` (e4m3, float32 128x128 block scales)."""
+    blocks = (-(-n // 128), -(-k // 128))
+    args = (S((m, k), BF16), S((n, k), jnp.float8_e4m3fn), S(blocks, F32))
+    minimum = n * k + 4 * blocks[0] * blocks[1] + 2 * (m * k + m * n)
+    return {"fn": fp8_matmul_tpu, "args": args, "shapes": {"M": m, "N": n, "K": k, "x": "bfloat16"},
+            "minimum_bytes": minimum, "platforms": ("tpu",)}
+
+
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -82,6 +94,8 @@ CASES = {
     "compress/indexer-prefill": lambda: _compress_case(4, D_INDEX, PREFILL // 4),
     "compress/hca-decode": lambda: _compress_case(128, D, 1),
     "compress/hca-prefill": lambda: _compress_case(128, D, PREFILL // 128),
+    "fp8_matmul/wq_b-decode": lambda: _fp8_matmul_case(1, H * D, 1024),
+    "fp8_matmul/wq_a-prefill": lambda: _fp8_matmul_case(PREFILL, 1024, 4096),
 }
 
 
@@ -125,6 +139,8 @@ def report(targets=TARGETS) -> list[dict]:
         platform = aot.target(target).platform
         for name, make in CASES.items():
             case = make()
+            if platform not in case.get("platforms", ("tpu", "cuda")):
+                continue
             with tempfile.TemporaryDirectory() as dump:
                 if platform == "cuda":  # read by Mosaic GPU when it compiles
                     os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)

@@ -1,5 +1,5 @@
-"""The model's `generate` programs compiled ahead of time for one device of TPU v5p, TPU v6e and an
-H100 (dsv4_jax.aot; the `aot` extra) with attention_impl="pallas": `dsv4_jax.model.step` jitted
+"""The model's `generate` programs compiled ahead of time for one device of TPU v5p, TPU v6e, TPU
+v7x and an H100 (dsv4_jax.aot; the `aot` extra) with attention_impl="pallas": `dsv4_jax.model.step` jitted
 as generate jits it (static cfg and last_only, the cache donated), for a prefill chunk `[B, T]`
 and a decode step `[B, 1]`, from abstract bf16 parameters and cache. The compiled program must
 hold every Mosaic kernel the layer stack calls (a silent fallback to the reference fails).
@@ -24,7 +24,7 @@ from dsv4_jax.cache import cache_spec
 from dsv4_jax.model import step
 from dsv4_jax.params import leaf_dtype, map_spec, param_spec
 
-TARGETS = ["v5p-8", "v6e-8", "h100x1"]
+TARGETS = ["v5p-8", "v6e-8", "tpu7x-8", "h100x1"]
 BATCH, MAX_LEN, CHUNK = 2, 256, 16
 
 
@@ -71,6 +71,9 @@ def test_targets():
     assert [d.device_kind for d in aot.topology("h200x8")] == ["NVIDIA H200"] * 8
     assert len(aot.topology("v6e-8")) == 8 and aot.topology("v5p-8")[0].platform == "tpu"
     assert "H100" in aot.topology("h100x1")[0].device_kind
+    v7x = aot.topology("tpu7x-8")  # two devices (TensorCores) on each of 4 chips
+    assert len(v7x) == 8 and v7x[0].device_kind == "TPU7x" and len({tuple(d.coords) for d in v7x}) == 4
+    assert aot.target("tpu7x-8").spec.memory_bytes == 96 * 2**30
     with pytest.raises(ValueError, match="unknown compile target"):
         aot.topology("v7x-8")
     with pytest.raises(ValueError, match="need 8 devices"):

@@ -169,3 +169,67 @@ def test_compress_empty_and_ref_impl():
     ref = compress_ref(a, z, w, cos, sin, ratio=4, eps=1e-6, prev_a=pa, prev_z=pz)
     np.testing.assert_array_equal(compress(a, z, w, cos, sin, ratio=4, eps=1e-6, prev_a=pa, prev_z=pz, impl="ref"), ref)
     assert set(pallas_kernels.__all__) >= {"compress", "compress_ref", "sparse_attention", "sparse_attention_ref"}
+
+
+# ----------------------------------------------------------------------------- quantized matmul
+
+def _fp8_weight(n, k, dtype, seed, float_scales=False):
+    """A random FP8 weight `[n, k]`: e4m3 values over their whole range (subnormals included) and
+    power-of-two block scales (E8M0, as V4 stores them), or arbitrary positive float scales."""
+    from dsv4_jax.quantized import QuantizedWeight
+
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-9, 8, (n, k))).clip(-448, 448)
+    blocks = (-(-n // 128), -(-k // 128))
+    scale = rng.uniform(0.001, 0.1, blocks) if float_scales else 2.0 ** rng.integers(-12, 2, blocks)
+    return QuantizedWeight(jnp.asarray(values, jnp.float8_e4m3fn), jnp.asarray(scale, jnp.float32), fmt="fp8",
+                           dtype_name=jnp.dtype(dtype).name)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 512])
+@pytest.mark.parametrize("n, k, dtype", [(256, 1024, jnp.float32), (200, 300, jnp.float32),
+                                         (1100, 2100, jnp.bfloat16), (384, 640, jnp.bfloat16)])
+def test_fp8_matmul_matches_ref(m, n, k, dtype):
+    """The kernel in the interpreter against dequantize-then-multiply: M from decode to a prefill
+    chunk, N and K multiples of 128 and not (the last tiles masked), several K steps."""
+    from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu
+
+    w = _fp8_weight(n, k, dtype, seed=m + n, float_scales=(m == 3))
+    x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)), dtype)
+    out = fp8_matmul_tpu(x, w.values, w.scale, interpret=True)
+    _check(out, pallas_kernels.quantized_matmul_ref(x, w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_matmul_dequantizes_exactly(dtype):
+    """x = the identity: every output is one product with 1.0, so the kernel must give the
+    dequantized weight bit for bit (what `dsv4-convert --dtype float32|bfloat16` writes), float
+    scales included, with small tiles so that several N and K tiles and the masked tail are hit."""
+    from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu
+
+    n, k = 300, 260
+    w = _fp8_weight(n, k, dtype, seed=7, float_scales=True)
+    out = fp8_matmul_tpu(jnp.eye(k, dtype=dtype), w.values, w.scale, interpret=True, block_shape=(64, 128, 128))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(w.dequantize(dtype).T.astype(jnp.float32)))
+
+
+def test_quantized_matmul_impls_and_errors():
+    """`quantized_matmul`: leading axes kept; on CPU "auto" is the reference itself and "pallas"
+    the interpreted kernel; FP4 (no kernel yet) is the reference under every impl; a weight that
+    does not fit x is a clear error."""
+    from dsv4_jax.quantized import QuantizedWeight
+
+    w = _fp8_weight(256, 384, jnp.float32, seed=1)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 384)), jnp.float32)
+    ref = pallas_kernels.quantized_matmul_ref(x.reshape(6, 384), w).reshape(2, 3, 256)
+    np.testing.assert_array_equal(np.asarray(pallas_kernels.quantized_matmul(x, w)), np.asarray(ref))
+    _check(pallas_kernels.quantized_matmul(x, w, impl="pallas"), ref)
+    rng = np.random.default_rng(2)
+    fp4 = QuantizedWeight(jnp.asarray(rng.integers(0, 256, (128, 192)), jnp.uint8),
+                          jnp.asarray(rng.integers(120, 130, (128, 12)), jnp.uint8), fmt="fp4")
+    for impl in ("auto", "pallas", "ref"):
+        np.testing.assert_array_equal(np.asarray(pallas_kernels.quantized_matmul(x, fp4, impl=impl)),
+                                      np.asarray(jnp.einsum("...k,nk->...n", x, fp4.dequantize(),
+                                                            preferred_element_type=jnp.float32)))
+    with pytest.raises(ValueError, match=r"x \(2, 3, 384\) and a weight \[256, 512\]"):
+        pallas_kernels.quantized_matmul(x, _fp8_weight(256, 512, jnp.float32, seed=3))
