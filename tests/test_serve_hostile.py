@@ -551,7 +551,9 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
             t.join(30)
         assert proc.wait(30) == 0
         took = time.monotonic() - t0
-        assert took < 2 + 3, took
+        # The 2 s grace, then the engine's stop and the interpreter's exit: seconds on a loaded
+        # 2-core CI machine (5.05 s was seen there); before the fix it never exited.
+        assert took < 2 + 10, took
         assert short[-1] == "length" and len(short) == 40, short
         assert long_[-1] in (None, "cut") and len(long_) < 2000, long_[-3:]
         _error(whole[0].status_code, whole[0].json(), 503, None, "shut down before this request finished")
