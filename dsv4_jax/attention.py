@@ -37,15 +37,15 @@ def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mode
     """x `[B, T, D]` -> (q `[B, T, H, Dh]`, q latent `[B, T, Q]`).
 
     q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), rope on its last dims."""
-    c_q = rms_norm(dense(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps)
-    q = dense(c_q, p["wq_b"]).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
+    c_q = rms_norm(dense(x, p["wq_a"], cfg), p["q_norm"], cfg.rms_norm_eps)
+    q = dense(c_q, p["wq_b"], cfg).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
     q = unweighted_rms_norm(q, cfg.rms_norm_eps)
     return apply_rope(q, cos[..., None, :], sin[..., None, :]), c_q
 
 
 def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """x `[B, T, D]` -> the shared K=V row `[B, T, Dh]`: kv_norm(wkv x), rope on its last dims."""
-    kv = rms_norm(dense(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps)
+    kv = rms_norm(dense(x, p["wkv"], cfg), p["kv_norm"], cfg.rms_norm_eps)
     return apply_rope(kv, cos, sin)
 
 
@@ -62,7 +62,7 @@ def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mod
         z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
         return z.astype(wo_a.dtype).reshape(B, T, -1)
 
-    return dense(with_weight(grouped, p["wo_a"], o), p["wo_b"])
+    return dense(with_weight(grouped, p["wo_a"], o), p["wo_b"], cfg)
 
 
 def row_positions(p0, batch: int) -> jnp.ndarray:
@@ -205,7 +205,7 @@ def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray,
     p0 = row_positions(p0, B)
     new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg,
                                                    n_valid=n_valid)
-    q = dense(c_q, ip["wq_b"]).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
+    q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     P = keys_pool.shape[1]

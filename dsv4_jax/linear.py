@@ -1,22 +1,34 @@
 """Dense projections with the reference's dtype rule: the input is cast to the weight's dtype,
 products accumulate in fp32, and the output comes back in the weight's dtype.
 
-A `QuantizedWeight` (FP8 / FP4, `dsv4-convert --dtype native`) is dequantized here, inside the
-jitted computation, to its compute dtype (exactly: see dsv4_jax/quantized.py), then multiplied
-the same way, so a native checkpoint gives the same results as a dequantized one: a weight whose
-scale blocks divide it goes by its blocks on TPU and GPU (`QuantizedWeight.matmul`: the
-compilers fuse the dequantization into the product instead of writing the weight out; the same
-products, summed in another order), as a whole elsewhere."""
+A `QuantizedWeight` (FP8 / FP4, `dsv4-convert --dtype native`) is multiplied as stored, so a
+native checkpoint gives the results of a dequantized one (the same products, at most summed in
+another order). Where it runs depends on the platform the program is lowered for:
+
+* TPU: `pallas_kernels.quantized_matmul` (the FP8 kernel reads each stored byte once and
+  dequantizes on chip), given the model's config: on a mesh it runs once per device, with the
+  rows split as the batch and the weight as its logical axes say, when every device holds whole
+  rows of the weight's input dim; a weight whose input dim is split (a row-parallel projection)
+  stays on XLA's partitioned product, whose partial sums add up in fp32 before rounding;
+* GPU and TPU otherwise: by its scale blocks (`QuantizedWeight.matmul`: XLA fuses the
+  dequantization into the product instead of writing the weight out);
+* CPU: the whole dequantized weight (bit for bit a dequantized checkpoint's products and sums).
+"""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+
+from .config import ModelConfig
 from .layer_weights import with_weight
 from .quantized import QuantizedWeight
+from .sharding import BATCH, active, per_device
 
 
 def weight_array(w) -> jnp.ndarray:
@@ -24,19 +36,36 @@ def weight_array(w) -> jnp.ndarray:
     return w.dequantize() if isinstance(w, QuantizedWeight) else w
 
 
-def dense(x: jnp.ndarray, w) -> jnp.ndarray:
+def dense(x: jnp.ndarray, w, cfg: ModelConfig | None = None) -> jnp.ndarray:
     """x `[..., in]`, w `[out, in]` (array, QuantizedWeight or LayerWeight) -> `[..., out]` in
-    w's dtype."""
-    return with_weight(_dense, w, x)
+    w's dtype. cfg, the model's, lets a quantized weight take the matmul kernel on TPU (its
+    `attention_impl` choice, per device on its mesh); code already running per device passes
+    none."""
+    return with_weight(partial(_dense, cfg=cfg), w, x)
 
 
-def _dense(w, x: jnp.ndarray) -> jnp.ndarray:
+def _dense(w, x: jnp.ndarray, cfg: ModelConfig | None) -> jnp.ndarray:
     if isinstance(w, QuantizedWeight) and w.blocked():
-        # TPU / GPU: by blocks (QuantizedWeight.matmul). The CPU keeps the whole dequantized
-        # weight: its products sum in the order a dequantized checkpoint's do, bit for bit.
-        return jax.lax.platform_dependent(w, x, cpu=_dense_whole,
-                                          default=lambda w, x: w.matmul(x.astype(w.dtype)).astype(w.dtype))
+        tpu = _blocked if cfg is None else partial(_kernel, cfg=cfg)
+        return jax.lax.platform_dependent(w, x, cpu=_dense_whole, tpu=tpu, default=_blocked)
     return _dense_whole(w, x)
+
+
+def _blocked(w: QuantizedWeight, x: jnp.ndarray) -> jnp.ndarray:
+    return w.matmul(x.astype(w.dtype)).astype(w.dtype)
+
+
+def _kernel(w: QuantizedWeight, x: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """`pallas_kernels.quantized_matmul`, per device on a mesh (see the module doc)."""
+    out_axis, in_axis = w.axes
+    mesh = active(cfg)
+    if mesh is not None and cfg.layout.axes(in_axis, mesh):
+        return _blocked(w, x)
+    split = mesh is not None and x.shape[0] % cfg.layout.shards(BATCH, mesh) == 0
+    x_axes = (BATCH if split else None,) + (None,) * (x.ndim - 1)
+    run = per_device(cfg, partial(pallas_kernels.quantized_matmul, impl=cfg.attention_impl),
+                     (x_axes, w.axes), x_axes[:-1] + (out_axis,))
+    return run(x.astype(w.dtype), w)
 
 
 def _dense_whole(w, x: jnp.ndarray) -> jnp.ndarray:

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .model import Model, with_options
 from .params import _get, leaf_dtype, map_spec, param_spec
 from .quantized import QuantizedWeight
+from .sharding import matrix_axes
 
 PARAMS_DIR = "params"
 MTP_DIR = "mtp"
@@ -268,7 +269,8 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
             node = node[k]
         fmt = quantized.get(".".join(p))
         if fmt is not None:
-            return QuantizedWeight(node["values"], node["scale"], fmt=fmt, dtype_name=jnp.dtype(dtype).name)
+            return QuantizedWeight(node["values"], node["scale"], fmt=fmt, dtype_name=jnp.dtype(dtype).name,
+                                   axes=matrix_axes(p))
         return node
 
     return map_spec(build, param_spec(cfg))
@@ -430,7 +432,7 @@ def _mtp_tree(sources: dict, cfg: ModelConfig, dtype, where: str, keep_quantized
         if keep_quantized and fmt is not None and all(s.fmt == fmt for s in items):
             values = join([s.data.view(np.uint8) if fmt == "fp4" else s.data for s in items])
             return QuantizedWeight(jnp.asarray(values), jnp.asarray(join([s.scale for s in items])), fmt=fmt,
-                                   dtype_name=jnp.dtype(dtype).name)
+                                   dtype_name=jnp.dtype(dtype).name, axes=matrix_axes(("layers",) + path))
         target = leaf_dtype(leaf[1], dtype)
         return jnp.asarray(join([s.dense(ml_dtypes.bfloat16 if target == jnp.bfloat16 else target) for s in items]),
                            target)

@@ -95,7 +95,7 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     else:  # the chosen experts straight out of the stacks
         routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,
                                 layer=layer_index)
-    shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit)
+    shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
 

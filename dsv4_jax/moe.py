@@ -48,14 +48,15 @@ def _block_size(rows: int, n_experts: int) -> int:
     return b
 
 
-def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None) -> jnp.ndarray:
+def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None, cfg=None) -> jnp.ndarray:
     """One SwiGLU expert (w1/w3 `[I, D]`, w2 `[D, I]`) on rows x `[R, D]`: `[R, D]` in w2's dtype.
     A routed expert's routing weights hw fp32 `[R, 1]` multiply the activation before the down
-    projection, as in the reference."""
-    h = swiglu(dense(x, w1), dense(x, w3), limit)
+    projection, as in the reference. cfg as for `linear.dense` (none for the routed experts,
+    which run per device already)."""
+    h = swiglu(dense(x, w1, cfg), dense(x, w3, cfg), limit)
     if hw is not None:
         h = h * hw
-    return dense(h.astype(w2.dtype), w2)
+    return dense(h.astype(w2.dtype), w2, cfg)
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
@@ -173,6 +174,6 @@ def _each_pair(x, pair_expert, pair_row, pair_weight, w, ffn) -> jnp.ndarray:
     return jax.lax.fori_loop(0, pair_expert.shape[0], one, jnp.zeros(x.shape, jnp.float32))
 
 
-def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float) -> jnp.ndarray:
+def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float, cfg=None) -> jnp.ndarray:
     """The shared expert (clamped like the routed ones): `[T, D]` -> `[T, D]` in w2's dtype."""
-    return expert(x, w1, w2, w3, limit)
+    return expert(x, w1, w2, w3, limit, cfg=cfg)

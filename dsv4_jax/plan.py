@@ -90,7 +90,7 @@ def abstract_params(cfg: ModelConfig, weight_dtype: str, mesh, layout: sharding.
             fmt = NATIVE_QUANT[path]
             st = storage_shapes(tuple(shape), fmt)
             return QuantizedWeight(jax.ShapeDtypeStruct(*st["values"]), jax.ShapeDtypeStruct(*st["scale"]),
-                                   fmt=fmt, dtype_name="bfloat16")
+                                   fmt=fmt, dtype_name="bfloat16", axes=sharding.matrix_axes(path))
         return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, jnp.bfloat16))
 
     params = map_spec(leaf, param_spec(cfg))

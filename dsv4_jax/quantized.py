@@ -10,6 +10,9 @@
 * FP4 (`fmt="fp4"`): values uint8 `[..., out, in/2]` (two e2m1 codes per byte, element 2i in the
   low nibble), scale uint8 `[..., out, ceil(in/32)]` (the E8M0 exponent byte b, meaning 2^(b-127)).
 
+`axes` (static) are the logical axes (dsv4_jax/sharding.py) of the weight's last two dims
+`[out, in]`, by which the matmul kernels run per device on a mesh (the loader sets them).
+
 `dtype` (static) is the compute dtype: `dequantize()` multiplies values and scales in float32,
 where every product is exact for power-of-two scales (one IEEE rounding for float scales, as the
 converter's numpy dequantization does), then rounds once to `dtype`. So a weight dequantized here
@@ -73,6 +76,7 @@ class QuantizedWeight:
     scale: jnp.ndarray
     fmt: str = struct.field(pytree_node=False, default=FP8)
     dtype_name: str = struct.field(pytree_node=False, default="float32")
+    axes: tuple = struct.field(pytree_node=False, default=(None, None))
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -173,6 +173,12 @@ def param_axes(path: tuple[str, ...], ndim: int) -> tuple:
     return (None,) * (ndim - len(own)) + own
 
 
+def matrix_axes(path: tuple[str, ...]) -> tuple:
+    """Logical axes of the last two dims `[out, in]` of the weight at `path` (what a
+    QuantizedWeight carries for the matmul kernels)."""
+    return param_axes(path, 2)[-2:]
+
+
 def cache_axes(path: tuple[str, ...], ndim: int) -> tuple:
     """Logical axes of a cache leaf: `pos` `[B]`, every stack `[n, B, ...]`."""
     return (BATCH,) if path == ("pos",) else (None, BATCH) + (None,) * (ndim - 2)

@@ -73,8 +73,14 @@ def greedy_alone(single):
     return prompts, dsv4_jax.generate(single, prompts, 12).rows()
 
 
-@pytest.mark.parametrize("layout", sorted(sharding.PRESETS))
-@pytest.mark.parametrize("shape", MESHES, ids=MESH_IDS)
+# Every layout on the mesh with all three axes, and each other mesh once (the logits test above
+# covers every pair): each case compiles generate's programs anew.
+GENERATE_CASES = [(layout, MESHES[3]) for layout in sorted(sharding.PRESETS)] + [
+    ("dp_attention", MESHES[1]), ("tp_attention", MESHES[2]), ("data_parallel", MESHES[0])]
+
+
+@pytest.mark.parametrize("layout, shape", GENERATE_CASES,
+                         ids=[f"{MESH_IDS[MESHES.index(s)]}-{lay}" for lay, s in GENERATE_CASES])
 def test_generate_equals_one_device(native, greedy_alone, layout, shape):
     """generate on the mesh: the batch padded to whole sequences per device, every row prefilled
     and decoded at its own positions with the cache split by rows and donated: the same greedy
@@ -190,3 +196,40 @@ def test_unsplittable_block_scales_are_an_error(tmp_path):
                           layout="tp_attention")
     with pytest.raises(ValueError, match=r"splits a fp4 weight \[7, 8, 32, 16\].*block scales"):
         model(_ids(cfg, 4, 8))
+
+
+@pytest.mark.parametrize("layout, axes, kernel", [
+    ("dp_attention", (None, None), True),  # replicated (attention under dp_attention)
+    ("tp_attention", (sharding.HEADS, None), True),  # output dim split (wq_b)
+    ("tp_attention", (None, sharding.HEADS), False),  # input dim split (wo_b): XLA's product
+])
+def test_quantized_dense_runs_the_kernel_per_device(layout, axes, kernel):
+    """`linear.dense`'s TPU path for an FP8 weight (`linear._kernel`), here with impl "pallas" (the
+    TPU kernel in the Pallas interpreter) on data=2 x tensor=2 x expert=2: the kernel runs once per
+    device on its rows and its piece of the weight, unless the weight's input dim is split (then
+    XLA's partitioned product, whose partial sums add up in fp32). Equals the CPU path within
+    fp32 rounding of sums in another order (1e-5 of the largest output)."""
+    from dsv4_jax import linear
+    from dsv4_jax.quantized import QuantizedWeight
+    from jax.sharding import NamedSharding
+
+    mesh = sharding.make_mesh(MESHES[3])
+    cfg = dsv4_jax.ModelConfig.from_hf(CONFIG).replace(layout=sharding.get_layout(layout), attention_impl="pallas")
+    rng = np.random.default_rng(0)
+    n, k = 512, 384
+    values = jax.numpy.asarray(rng.standard_normal((n, k)) * 4, jax.numpy.float8_e4m3fn)
+    scale = jax.numpy.asarray(2.0 ** rng.integers(-8, 0, (n // 128, k // 128)), jax.numpy.float32)
+    x = rng.standard_normal((8, 3, k)).astype(np.float32)
+    w = QuantizedWeight(values, scale, fmt="fp8", axes=axes)
+    want = np.asarray(linear._dense_whole(w, x))
+
+    def placed(a, logical):
+        return jax.device_put(a, NamedSharding(mesh, cfg.layout.spec(logical, mesh, a.shape)))
+
+    w_mesh = w.replace(values=placed(values, axes), scale=placed(scale, axes))
+    x_mesh = placed(x, (sharding.BATCH, None, None))
+    fn = jax.jit(lambda x, w: linear._kernel(w, x, cfg))
+    with jax.set_mesh(mesh):
+        assert ("pallas_call" in str(jax.make_jaxpr(fn)(x_mesh, w_mesh))) == kernel
+        got = np.asarray(fn(x_mesh, w_mesh))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
