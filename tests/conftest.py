@@ -13,6 +13,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# The suite compiles hundreds of small programs and runs each a few times; LLVM's optimization of
+# XLA:CPU's code is most of that compile time, so the tests (and the CLIs they start) skip it.
+# They trade the CPU code's speed for compile time (every comparison here is between programs
+# compiled alike, or within a stated tolerance); the TPU and GPU compilers the AOT tests drive
+# ignore them (`python -m pallas_kernels.report` prints the same JSON with and without them).
+for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + _flag
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -44,9 +44,10 @@ def interpret():
     assert not races, "the GPU interpreter found a data race"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("h, d", [(64, 256), (128, 256), (8, 384)], ids=["h64", "h128", "h8-pad"])
-def test_sparse_attention_mgpu_interpret(interpret, dtype, h, d):
+# Each head geometry once, the dtypes alternating (the interpreter runs minutes per case).
+@pytest.mark.parametrize("h, d, dtype", [(64, 256, jnp.bfloat16), (128, 256, jnp.float32), (8, 384, jnp.bfloat16)],
+                         ids=["h64-bfloat16", "h128-float32", "h8-pad-bfloat16"])
+def test_sparse_attention_mgpu_interpret(interpret, h, d, dtype):
     # H = 64: one head group (one WGMMA register tile of heads). H = 128: two head groups, each
     # gathering the same rows. H = 8: one group padded to 64 heads (zero q and sink), with D = 384
     # viewed as 3 TMA boxes of 128 (3 output column blocks). K = 40 padded to 128 (4 key blocks of

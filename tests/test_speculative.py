@@ -46,7 +46,7 @@ def continuation(model, prompts):
     return dsv4_jax.generate(model, prompts, 48, eos_token_id=None).tokens
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 4])  # one draft, and the deepest chain of drafts
 def test_greedy_with_the_block_equals_without(model, prompts, reference, k):
     out = dsv4_jax.generate(model, prompts, 40, eos_token_id=None, speculative_tokens=k)
     assert out.rows() == reference.rows()
