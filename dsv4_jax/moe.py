@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+
 from .layer_weights import LayerExperts, with_expert
 from .linear import dense
 
@@ -69,10 +71,54 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     gathered straight out of the stack (a layer's slice of the stack would be copied whole first).
     With `first_expert` (expert parallelism: this device's share of the experts), w holds experts
     first_expert .. first_expert + E - 1 and the pairs choosing others are skipped.
-    Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert into blocks of b rows
-    that each belong to one expert, so the work is T*k rows (plus at most b-1 padding rows per
-    expert), never all experts for every token.
+    Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert: on TPU into groups that
+    `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights (`_grouped`),
+    elsewhere into blocks of b rows that each belong to one expert (`_by_blocks`). Either way
+    the work is T*k rows (plus, in blocks, at most b-1 padding rows per expert), never all
+    experts for every token.
     """
+    args = (x, experts, weights, w1, w2, w3, limit, layer, first_expert)
+    if isinstance(w1, LayerExperts):  # CPU only
+        return _by_blocks(*args)
+    return jax.lax.platform_dependent(*args[:3], tpu=lambda *a: _grouped(*a, *args[3:]),
+                                      default=lambda *a: _by_blocks(*a, *args[3:]))
+
+
+def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
+    """The (token, slot) pairs of experts int `[T, k]` in expert order: (order `[T*k]` into the
+    flattened pairs, their local expert ids `[T*k]`, n_experts for another device's experts)."""
+    flat_e = experts.reshape(-1)
+    if first_expert is not None:  # another device's experts sort last, as expert n_experts, and are not run
+        flat_e = flat_e - first_expert
+        flat_e = jnp.where((flat_e >= 0) & (flat_e < n_experts), flat_e, n_experts)
+    order = jnp.argsort(flat_e, stable=True)
+    return order, flat_e
+
+
+def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
+    """`routed_experts` by grouped products: the pairs' rows sorted by expert, each group's rows
+    multiplied by its expert's stored weights, read once per chosen expert (none for an expert no
+    row chose); products in the weights' compute dtype as `expert` computes them."""
+    T, k = experts.shape
+    E = w1.shape[0] if layer is None else w1.shape[1]
+    order, flat_e = _sorted_pairs(experts, E, first_expert)
+    own = flat_e[order] < E
+    token = order // k
+    hw = jnp.where(own, weights.reshape(-1)[order], 0.0)[:, None]
+    group_sizes = jnp.zeros((E + 1,), jnp.int32).at[flat_e].add(1)[:E]
+
+    def gmm(rows, w):
+        return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
+
+    xs = x[token]
+    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit) * hw
+    y = jnp.where(own[:, None], gmm(h.astype(w2.dtype), w2).astype(jnp.float32), 0.0)
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
+
+
+def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
+    """`routed_experts` by blocks of b rows of one expert each, every block's expert gathered
+    out of the stack (or read in place, LayerExperts)."""
     T, k = experts.shape
     in_place = isinstance(w1, LayerExperts)
     E = w1.n_experts if in_place else w1.shape[0] if layer is None else w1.shape[1]
@@ -82,11 +128,7 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
         return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
 
-    flat_e = experts.reshape(-1)
-    if first_expert is not None:  # another device's experts sort last, as expert E, and are not run
-        flat_e = flat_e - first_expert
-        flat_e = jnp.where((flat_e >= 0) & (flat_e < E), flat_e, E)
-    order = jnp.argsort(flat_e, stable=True)  # the (token, slot) pairs in expert order
+    order, flat_e = _sorted_pairs(experts, E, first_expert)
     sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
     if b == 1 and in_place:
         return _each_pair(x, sorted_e, sorted_t, sorted_w, (w1, w2, w3), ffn)

@@ -4,13 +4,15 @@ and their plain-JAX references (`*_ref`)."""
 
 from .compressor import compress
 from .compressor_ref import compress_ref
+from .grouped_matmul import grouped_matmul
+from .grouped_matmul_ref import grouped_matmul_ref
 from .quantized_matmul import quantized_matmul
 from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["compress", "compress_ref", "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
-           "sparse_attention_ref"]
+__all__ = ["compress", "compress_ref", "grouped_matmul", "grouped_matmul_ref", "quantized_matmul",
+           "quantized_matmul_ref", "sparse_attention", "sparse_attention_ref"]
 
 
 def sparse_attention_mgpu_status() -> bool:

@@ -15,7 +15,8 @@ and the record holds:
     move at least, every needed byte read once and the output written once (sparse attention:
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
     first halves, cos, sin, the norm weight and the output; FP8 matmul: the stored weight, values
-    and scales, x and the output).
+    and scales, x and the output; grouped matmul: the stored bytes of min(E, M) experts, x and
+    the output).
 Usage: python -m pallas_kernels.report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
@@ -34,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from . import compress, sparse_attention  # noqa: E402
+from .grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
 from .quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 
 TARGETS = ("v5p-8", "v6e-8", "tpu7x-8", "h100x1")
@@ -85,6 +87,23 @@ def _fp8_matmul_case(m: int, n: int, k: int) -> dict:
             "minimum_bytes": minimum, "platforms": ("tpu",)}
 
 
+def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
+    """bf16 rows `[m, k]` sorted over Flash's 256 routed experts `[256, n, k]` (FP8: e4m3, float32
+    128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 rows, prefill a
+    512-token chunk of top-6 rows (3072)."""
+    e = 256
+    if fmt == "fp8":
+        stored = [S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // 128), -(-k // 128)), F32)]
+    else:
+        stored = [S((e, n, k // 2), jnp.uint8), S((e, n, -(-k // 32)), jnp.uint8)]
+    args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
+    per_expert = sum(a.size * a.dtype.itemsize for a in stored) // e
+    minimum = min(e, m) * per_expert + 2 * (m * k + m * n)  # as many experts as rows, at most all
+    return {"fn": lambda x, g, v, s: grouped_matmul_tpu(x, v, g, fmt=fmt, scale=s), "args": args,
+            "shapes": {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"},
+            "minimum_bytes": minimum, "platforms": ("tpu",)}
+
+
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -96,6 +115,9 @@ CASES = {
     "compress/hca-prefill": lambda: _compress_case(128, D, PREFILL // 128),
     "fp8_matmul/wq_b-decode": lambda: _fp8_matmul_case(1, H * D, 1024),
     "fp8_matmul/wq_a-prefill": lambda: _fp8_matmul_case(PREFILL, 1024, 4096),
+    "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8, 2048, 4096),
+    "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8, 2048, 4096),
+    "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
 }
 
 

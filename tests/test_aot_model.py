@@ -84,7 +84,8 @@ def test_targets():
 def test_native_decode_step_calls_the_fp8_kernel(tmp_path, layout):
     """The decode step of a small Flash-shaped model with its published FP8/FP4 weights, compiled
     for a whole v5p-8 the way dsv4-plan compiles it: the FP8 linears go through the matmul kernel
-    per device (under tp_attention too, where the column-parallel ones are split)."""
+    per device (under tp_attention too, where the column-parallel ones are split), the routed
+    experts through the grouped matmul kernel (inside the expert-parallel per-device code)."""
     import json
 
     from dsv4_jax import plan
@@ -105,4 +106,4 @@ def test_native_decode_step_calls_the_fp8_kernel(tmp_path, layout):
     with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
         result = aot.compile_for("v5p-8", jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
     kernels = aot.mosaic_kernels(result.compiled, "tpu")
-    assert "dsv4_fp8_matmul" in kernels and "dsv4_sparse_attention" in kernels
+    assert {"dsv4_fp8_matmul", "dsv4_grouped_matmul", "dsv4_sparse_attention"} <= set(kernels)

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_jax import attention as ours_attn  # noqa: E402
-from dsv4_jax import layer_weights  # noqa: E402
+from dsv4_jax import layer_weights, moe  # noqa: E402
 from dsv4_jax.linear import _in_halves, dense  # noqa: E402
 from dsv4_jax.config import CSA, HCA, ModelConfig, Yarn  # noqa: E402
 from dsv4_jax.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
@@ -679,6 +679,16 @@ def test_experts(T, routing, monkeypatch):
 
     assert_close(in_place(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), split, jnp.int32(1)), routed_t, 1e-5,
                  "routed experts from per-expert buffers")
+    # TPU's form (moe._grouped: the pairs' rows grouped by expert for
+    # pallas_kernels.grouped_matmul, here its reference): plain, from the layer stacks, and with
+    # the experts split over two devices (each runs its own half, the sum is the whole)
+    grouped = jax.jit(moe._grouped, static_argnums=(6,))
+    args = (_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w))
+    assert_close(grouped(*args, w1, w2, w3, limit, None, None), routed_t, 1e-5, "grouped routed experts")
+    assert_close(grouped(*args, *stack, limit, jnp.int32(1), None), routed_t, 1e-5, "grouped, from layer stacks")
+    halves = [grouped(*args, *(wi[e0:e0 + E // 2] for wi in (w1, w2, w3)), limit, None, jnp.int32(e0))
+              for e0 in (0, E // 2)]
+    assert_close(_n(halves[0]) + _n(halves[1]), routed_t, 1e-5, "grouped, experts over two devices")
     assert_close(shared, shared_t, 1e-5, "shared expert")
     assert_close(_n(routed) + _n(shared), routed_t + shared_t, 1e-5, "routed + shared")
 

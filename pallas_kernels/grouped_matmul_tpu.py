@@ -1,0 +1,382 @@
+"""Rows grouped by expert times each group's expert weight: the Mosaic TPU kernel (also run by
+the Pallas interpreter on CPU), in the manner of a megablox grouped matmul.
+
+x `[M, K]` holds the rows sorted by expert (group g's rows contiguous, groups in order), and
+`group_sizes` `[E]` says how many rows each expert has. The weights stay as stored
+(`dsv4_jax/quantized.py`): a plain `[E, N, K]` stack, FP8 (e4m3 values `[E, N, K]`, float32
+scales `[E, ceil(N/128), ceil(K/128)]`) or FP4 (uint8 values `[E, N, K/2]`, two e2m1 codes a
+byte, and E8M0 scale bytes `[E, N, ceil(K/32)]`); optionally the stack of every layer `[L, E,
+...]`, indexed by a traced layer number inside the index maps (a layer sliced out would be
+copied whole first).
+
+Grid `(N / TN, steps)`, the step axis innermost. `steps` is a static bound: the M / TM row tiles
+plus one extra visit for each group that starts inside a tile (a tile that straddles g groups is
+visited g times, once for each), at most `M / TM + min(E, M) - 1`. Metadata computed outside the
+kernel (`_metadata`) and scalar-prefetched into SMEM maps each step to its group and row tile;
+groups of size 0 get no step, so no value of an unchosen expert is read (when no group has a
+row at all, the first step's block, of the last expert, is still fetched). A group's consecutive
+steps keep its weight block index, so the pipeline fetches the block once, and the steps past
+the last live one repeat the previous indices, so they fetch nothing. Each step's block is the
+expert's `[TN, K]` column tile (K whole): every chosen expert's values are read once per call.
+
+On the first step of a group, the weight tile is dequantized into a VMEM scratch exactly as
+`QuantizedWeight.dequantize` does it (value times scale in float32, rounded once to x's dtype)
+and kept for the group's further row tiles. Every step multiplies its `[TM, K]` row tile with fp32
+accumulation and writes only its group's rows (a tile that straddles groups is written by each
+of them in turn; rows no group owns, past sum(group_sizes), are written as zeros).
+
+Scales are read in the orientation XLA's default TPU layout stores them, so that handing them to
+the kernel (whose operands must be row-major) is a bitcast, not a copy of the stack: an array
+whose minor dim is under 128 is laid out by XLA with its largest dim minor (libtpu 0.0.42.1, on
+v5p, v6e and v7x: f32 `[256, 16, 32]` as `[16, 32, 256]`, u8 `[256, 4096, 64]` as `[256, 64,
+4096]`, the same with a leading layer axis). FP8 scales `[E, N/128, K/128]` are therefore
+taken as `[N/128, K/128, E]` (the whole layer's, a few hundred KiB, read once per call) and FP4
+scales `[E, N, K/32]` as `[E, K/32, N]` when K/32 is not a multiple of 128. Other shapes work
+too; XLA then copies the scales first.
+
+FP4: per 128-byte chunk of codes, the 8 scales are spread over the bytes (16 each) and the low
+and high nibbles' values interleaved back into x's column order by in-vreg lane gathers
+(`take_along_axis`, Mosaic's dynamic_gather), so x is used as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES = 128  # the lane width, and the FP8 scale block
+FP4_BYTES = 16  # code bytes per FP4 scale (32 elements)
+ROWS = 16  # a tile of bf16 rows
+MAX_TM = 512
+MAX_TN = 512
+# What the tiles may take of VMEM (double-buffered blocks, the dequantized tile, the product),
+# and the scoped limit given to Mosaic (under v5p's and v7x's 64 MiB).
+VMEM_BUDGET = 32 << 20
+VMEM_LIMIT = 48 << 20
+
+
+def _round(a: int, b: int) -> int:
+    return pl.cdiv(a, b) * b
+
+
+def x_columns(k: int, fmt: str | None) -> int:
+    """The columns of the wrapper's x (and of the dequantized tile): K up to whole lanes (FP4:
+    twice the code bytes K/2 up to whole lanes)."""
+    return 2 * _round(k // 2, LANES) if fmt == "fp4" else _round(k, LANES)
+
+
+def vmem_bytes(tm: int, tn: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int,
+               w_itemsize: int) -> int:
+    """VMEM the tiles take: the double-buffered x, weight, scale and output blocks, the
+    dequantized weight tile (quantized formats), FP4's int32 scale scratches and the fp32
+    product."""
+    kx = x_columns(k, fmt)
+    kv = kx // 2 if fmt == "fp4" else kx
+    groups = _round(pl.cdiv(k, 2 * FP4_BYTES), LANES)
+    scales = {"fp8": pl.cdiv(n, LANES) * pl.cdiv(k, LANES) * _round(e, LANES) * 4, "fp4": tn * groups}.get(fmt, 0)
+    scratch = (tn * kx * x_itemsize if fmt else 0) + (2 * tn * groups * 4 if fmt == "fp4" else 0)
+    return 2 * (tm * kx * x_itemsize + tn * kv * w_itemsize + scales + tm * tn * x_itemsize) + scratch + tm * tn * 4
+
+
+def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_itemsize: int) -> tuple[int, int]:
+    """(TM, TN). TM: the rows a chosen expert gets on average when every row picks another one
+    (M / min(E, M)) rounded up to a power of two, at least 16 (bf16 rows come in 16s) and at
+    most 512: a step multiplies TM rows whatever its group holds, and the grid has up to one
+    step per group beyond the M / TM tiles, so a TM well above the group size wastes MXU work
+    (decode: 1 row per expert, TM 16) and one well below adds steps. TN: the largest multiple
+    of 128 up to 512 that divides N rounded up to 128. Both shrink until `vmem_bytes` fits
+    VMEM_BUDGET."""
+    per_group = pl.cdiv(m, max(1, min(e, m)))
+    tm = ROWS
+    while tm < min(per_group, MAX_TM):
+        tm *= 2
+    blocks = pl.cdiv(n, LANES)
+    candidates = [LANES * d for d in range(MAX_TN // LANES, 0, -1) if blocks % d == 0]
+    tn = candidates[0]
+    while vmem_bytes(tm, tn, n, k, e, fmt, x_itemsize, w_itemsize) > VMEM_BUDGET:
+        smaller = [c for c in candidates if c < tn]
+        if smaller:
+            tn = smaller[0]
+        elif tm > ROWS:
+            tm //= 2
+        else:
+            raise ValueError(f"grouped_matmul: K = {k} is too wide for one [{tm}, K] x [{tn}, K] step in VMEM")
+    return tm, tn
+
+
+def max_steps(m_tiles: int, m: int, e: int) -> int:
+    """The static grid bound along the steps: every row tile once, plus one step for each group
+    after the first that starts inside a tile; at most min(E, M) groups have rows."""
+    return m_tiles + max(1, min(e, m)) - 1
+
+
+def _metadata(group_sizes, m_tiles: int, tm: int, steps: int):
+    """Per grid step (int32 `[steps]` each): its group, its output row tile and the row tile of x
+    it reads; and `[E + 1]` the groups' row offsets, and `[2]` (the steps that compute a group,
+    those plus the steps that zero the tiles past every group).
+
+    Steps come in order: the groups with rows, each over its row tiles; then the row tiles past
+    sum(group_sizes), zeroed; then padding up to `steps`. Zeroing and padding steps keep the last
+    group's weight block (nothing is fetched for them), and x's last tile (idem); padding steps
+    also keep the last output tile, so they write nothing back."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    total = ends[-1]
+    first = starts // tm
+    count = jnp.where(sizes > 0, (ends - 1) // tm - first + 1, 0)
+    done = jnp.cumsum(count)  # steps through each group
+    n_real = done[-1]
+    t = jnp.arange(steps, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(done, t, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    # Clamped: a sum past M (not allowed) must still not send a block index past the arrays.
+    real_tile = jnp.minimum(first[group] + t - (done[group] - count[group]), m_tiles - 1)
+    last = jnp.maximum(n_real - 1, 0)  # the last computing step (step 0 when no group has rows)
+    first_zero = (total + tm - 1) // tm
+    zero_tile = jnp.minimum(first_zero + t - n_real, m_tiles - 1)
+    real = t < n_real
+    group = jnp.where(real, group, group[last])
+    out_tile = jnp.where(real, real_tile, zero_tile)
+    x_tile = jnp.where(real, real_tile, jnp.where(n_real > 0, real_tile[last], 0))
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    live = jnp.stack([n_real, n_real + m_tiles - first_zero]).astype(jnp.int32)
+    return group, out_tile, x_tile, offsets, live
+
+
+def _fp8_dequantize(v_ref, s_ref, w_ref, group, n_tile, k_total: int):
+    """The `[TN, Kp]` e4m3 tile times its 128x128 blocks' scales into w_ref in x's dtype;
+    columns past K are zeroed (VMEM past an array's end holds anything, and an e4m3 NaN times
+    zero is NaN). s_ref: the layer's scales `[N/128, K/128, E]`, the expert along lanes."""
+    tn, kp = w_ref.shape
+    rows_s, _, e = s_ref.shape
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, e), 1)
+
+    def block_column(kb, carry):  # a loop, not unrolled: K/128 columns of TN/128 blocks
+        cols = pl.ds(pl.multiple_of(kb * LANES, LANES), LANES)
+        for nb in range(tn // LANES):
+            rows = pl.ds(nb * LANES, LANES)
+            # A block past the weight's end (the last column tile) reads the last scale row;
+            # its output columns are dropped.
+            s = s_ref[jnp.minimum(n_tile * (tn // LANES) + nb, rows_s - 1), pl.ds(kb, 1), :]  # [1, E]
+            # The group's scale: one lane kept, summed with zeros (exact).
+            scale = jnp.sum(jnp.where(lane == group, s, jnp.zeros_like(s)), axis=1, keepdims=True)
+            w = (v_ref[rows, cols].astype(jnp.float32) * scale).astype(w_ref.dtype)
+            if k_total % LANES:
+                w = jnp.where(jax.lax.broadcasted_iota(jnp.int32, w.shape, 1) < k_total - kb * LANES, w,
+                              jnp.zeros_like(w))
+            w_ref[rows, cols] = w
+        return carry
+
+    jax.lax.fori_loop(0, kp // LANES, block_column, 0)
+
+
+def _e2m1(c):
+    """e2m1 codes (int32, low 4 bits) -> float32: sign bit 3, exponent bits 1-2, mantissa bit 0;
+    magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. A code with exponent e > 0 is 2^(e-1) (1 + m/2),
+    whose float32 bits are the code's low 3 bits shifted to the top of the mantissa plus the
+    bits of 0.5; e = 0 gives 0 or 0.5."""
+    c7 = c & 7
+    half = 0x3F000000  # 0.5
+    mag = jnp.where(c7 >= 2, (c7 << 22) + half, c7 * half)
+    return jax.lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
+
+
+def _e8m0(b):
+    """E8M0 exponent bytes (int32) -> float32 2^(b-127), as `e8m0_to_float32` (b = 0: 2^-127,
+    a subnormal; b = 255: NaN)."""
+    bits = jnp.where(b == 0, 0x00400000, jnp.where(b == 255, 0x7FC00000, b << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _fp4_dequantize(v_ref, s_ref, w_ref, b_ref, t_ref):
+    """The `[TN, K2p]` code bytes into w_ref `[TN, 2 K2p]` in x's dtype, in x's column order
+    (byte j's low nibble is element 2j, its high nibble 2j + 1), each code times its E8M0 scale.
+
+    s_ref: the scale bytes `[TN, G]` (G a multiple of 128), or `[G, TN]` with t_ref, an int32
+    `[Gp, TN]` scratch (G rounded up to 128) where they are padded with zeros before being
+    transposed; either way they land in b_ref, int32 `[TN, Gp]`. Then, per 128-byte chunk of
+    codes, in-vreg lane gathers spread its 8 scales (from one 128-lane column of b_ref) over
+    16 bytes each, and interleave its low and high values into the chunk's 256 output columns.
+    Bytes past K/2 (VMEM past the array's end) decode to finite values, which x's zero columns
+    cancel."""
+    tn, kx = w_ref.shape
+    if t_ref is None:
+        b_ref[...] = s_ref[...].astype(jnp.int32)
+    else:
+        t_ref[...] = jnp.zeros_like(t_ref)
+        t_ref[pl.ds(0, s_ref.shape[0]), :] = s_ref[...].astype(jnp.int32)
+        b_ref[...] = t_ref[...].T
+    per_chunk = LANES // FP4_BYTES  # the scales of a 128-byte chunk
+    per_column = LANES // per_chunk  # the chunks one 128-lane column of scales serves
+    lane = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1)
+    spread = jax.lax.div(lane, FP4_BYTES)  # byte lane -> scale lane
+    low_nibble = (lane & 1) == 0  # output lane 2j + p takes byte j's nibble p
+
+    def chunk(c, carry):  # a loop, not unrolled: the body is large and K/256 chunks many
+        scale_cols = pl.ds(pl.multiple_of(jax.lax.div(c, per_column) * LANES, LANES), LANES)
+        idx = spread + jax.lax.rem(c, per_column) * per_chunk
+        for r in range(tn // LANES):
+            rows = pl.ds(r * LANES, LANES)
+            scale = _e8m0(jnp.take_along_axis(b_ref[rows, scale_cols], idx, axis=1, mode="promise_in_bounds"))
+            codes = v_ref[rows, pl.ds(pl.multiple_of(c * LANES, LANES), LANES)].astype(jnp.int32)
+            lo, hi = _e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale
+            for half in range(2):  # output columns 256c + 128 half + l take byte 64 half + l // 2
+                pick = jax.lax.shift_right_logical(lane, 1) + half * (LANES // 2)
+                w = jnp.where(low_nibble, jnp.take_along_axis(lo, pick, axis=1, mode="promise_in_bounds"),
+                              jnp.take_along_axis(hi, pick, axis=1, mode="promise_in_bounds"))
+                w_ref[rows, pl.ds(pl.multiple_of((2 * c + half) * LANES, LANES), LANES)] = w.astype(w_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, kx // (2 * LANES), chunk, 0)
+
+
+def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, *refs, fmt: str | None,
+            k_total: int, scales_transposed: bool):
+    del x_tile_ref, layer_ref  # used by the index maps only
+    if fmt is None:
+        x_ref, v_ref, o_ref = refs
+    elif fmt == "fp8":
+        x_ref, v_ref, s_ref, o_ref, w_ref = refs
+    else:
+        (x_ref, v_ref, s_ref, o_ref, w_ref, b_ref), t_ref = refs[:6], (refs[6] if scales_transposed else None)
+    n_tile, t = pl.program_id(0), pl.program_id(1)
+    group, tile = group_ref[t], tile_ref[t]
+    prev = jnp.maximum(t - 1, 0)
+    computes = t < live_ref[0]
+    new_group = (t == 0) | (group_ref[prev] != group)
+    new_tile = (t == 0) | (tile_ref[prev] != tile)
+    tm, tn = o_ref.shape
+
+    if fmt is not None:
+        @pl.when(computes & new_group)
+        def _():
+            if fmt == "fp8":
+                _fp8_dequantize(v_ref, s_ref, w_ref, group, n_tile, k_total)
+            else:
+                _fp4_dequantize(v_ref, s_ref, w_ref, b_ref, t_ref)
+
+    @pl.when(computes)
+    def _():
+        x = x_ref[...]
+        if fmt is not None:
+            w = w_ref[...]
+        else:
+            w = v_ref[...].astype(x.dtype)
+            if k_total % LANES:  # see _fp8_dequantize: past K, VMEM holds anything
+                w = jnp.where(jax.lax.broadcasted_iota(jnp.int32, w.shape, 1) < k_total, w, jnp.zeros_like(w))
+        # Stated, not left to jax_default_matmul_precision: Mosaic rejects a bf16 product at fp32
+        # precision, and an fp32 one must stay fp32.
+        precision = jax.lax.Precision.DEFAULT if x.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32).astype(o_ref.dtype)
+        row = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        mine = (row >= offsets_ref[group]) & (row < offsets_ref[group + 1])
+        # A tile's first visit starts from zeros (the buffer holds the previous tile's output);
+        # a later visit by the next group keeps what the earlier groups wrote.
+        before = jnp.where(new_tile, jnp.zeros_like(y), o_ref[...])
+        o_ref[...] = jnp.where(mine, y, before)
+
+    @pl.when((t >= live_ref[0]) & (t < live_ref[1]))
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+
+def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=None, layer=None,
+                       interpret: bool = False, block_shape: tuple[int, int] | None = None):
+    """x `[M, K]` (bf16 or fp32, rows sorted by group) times each group's expert transposed:
+    `[M, N]` in x's dtype, rows past sum(group_sizes) zero.
+
+    values: a plain stack `[E, N, K]` (fmt None, bf16 or fp32), FP8 e4m3 `[E, N, K]` with
+    `scale` float32 `[E, ceil(N/128), ceil(K/128)]` (fmt "fp8"), or FP4 uint8 `[E, N, K/2]` with
+    `scale` uint8 `[E, N, ceil(K/32)]` (fmt "fp4"); with `layer` (int32 scalar, may be traced)
+    both have a leading layer axis `[L, ...]` and layer `layer` is used. group_sizes int32 `[E]`,
+    sum <= M (not checked). block_shape overrides (TM, TN) (TM a multiple of 16, TN of 128)."""
+    if fmt not in (None, "fp8", "fp4"):
+        raise ValueError(f"grouped_matmul_tpu: unknown format {fmt!r}")
+    layered = layer is not None
+    *lead, n, kv = values.shape
+    if len(lead) != 1 + layered:
+        raise ValueError(f"grouped_matmul_tpu: weight {list(values.shape)} needs "
+                         f"{'[L, E, N, K]' if layered else '[E, N, K]'}")
+    e = lead[-1]
+    m, k = x.shape
+    if kv != (k // 2 if fmt == "fp4" else k) or (fmt == "fp4" and k % 2):
+        raise ValueError(f"grouped_matmul_tpu: x {tuple(x.shape)} and a {fmt or 'plain'} weight {list(values.shape)}")
+    tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
+    if tm % ROWS or tn % LANES:
+        raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
+    kx = x_columns(k, fmt)
+    m_tiles = pl.cdiv(m, tm)
+    # Rows up to whole tiles and columns up to whole lanes, as zeros: x is small beside the
+    # weights, and zeros past K cancel the weight tile's columns there.
+    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, kx - k)))
+    steps = max_steps(m_tiles, m, e)
+    meta = _metadata(group_sizes, m_tiles, tm, steps)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    kv_block = kx // 2 if fmt == "fp4" else kx
+
+    def stack_map(block, by_group=True):  # index map of a weight array: the layer first when stacked
+        def index(j, t, group, tile, x_tile, offsets, live, layer_ref):
+            return (((layer_ref[0],) if layered else ()) + ((group[t],) if by_group else ()) + block(j))
+        return index
+
+    layer_axis = (None,) if layered else ()
+    in_specs = [pl.BlockSpec((tm, kx), lambda j, t, group, tile, x_tile, *_: (x_tile[t], 0)),
+                pl.BlockSpec(layer_axis + (None, tn, kv_block), stack_map(lambda j: (j, 0)))]
+    operands = [x, values]
+    scratch = []
+    scales_transposed = False
+    s_read = 0  # scale bytes read: FP4 all of a chosen expert's, FP8 the whole layer's
+    if fmt == "fp8":
+        # The layer's scales with the expert minor (see the module doc), whole: one fetch.
+        scale = jnp.moveaxis(scale, -3, -1)
+        in_specs.append(pl.BlockSpec(layer_axis + tuple(scale.shape[-3:]), stack_map(lambda j: (0, 0, 0), False)))
+        s_read = scale.shape[-3] * scale.shape[-2] * scale.shape[-1] * 4
+    elif fmt == "fp4":
+        g = scale.shape[-1]
+        scales_transposed = g % LANES != 0
+        scratch.append(pltpu.VMEM((tn, _round(g, LANES)), jnp.int32))
+        if scales_transposed:
+            scale = jnp.swapaxes(scale, -1, -2)  # [.., E, G, N]
+            in_specs.append(pl.BlockSpec(layer_axis + (None, g, tn), stack_map(lambda j: (0, j))))
+            scratch.append(pltpu.VMEM((_round(g, LANES), tn), jnp.int32))
+        else:
+            in_specs.append(pl.BlockSpec(layer_axis + (None, tn, g), stack_map(lambda j: (j, 0))))
+        s_read = n * g
+    if fmt is not None:
+        operands.append(scale)
+        scratch.insert(0, pltpu.VMEM((tn, kx), x.dtype))
+    col_tiles = pl.cdiv(n, tn)
+    # Declared cost, a static upper bound: the experts read are at most min(E, M) (the rows
+    # choose no more), each expert's stored values and scales once (FP8: the layer's scales
+    # once); x once per column tile; the output once. The MXU runs TM rows on every computing
+    # step.
+    chosen = min(e, m)
+    read = chosen * (n * kv * values.dtype.itemsize + (s_read if fmt == "fp4" else 0)) + (s_read if fmt == "fp8" else 0)
+    cost = pl.CostEstimate(flops=2 * steps * tm * n * kx, transcendentals=0,
+                           bytes_accessed=read + col_tiles * x.size * x.dtype.itemsize
+                           + m_tiles * tm * n * x.dtype.itemsize)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(col_tiles, steps),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (tile[t], j)),
+        scratch_shapes=scratch,
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, fmt=fmt, k_total=k, scales_transposed=scales_transposed),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n), x.dtype),
+        # Column tiles may be split between TensorCores (v5p's megacore); the steps must run in
+        # order on one core, since a group's later steps reuse its dequantized tile.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=VMEM_LIMIT),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="dsv4_grouped_matmul",
+    )(*meta, layer_arr, *operands)
+    return out[:m]

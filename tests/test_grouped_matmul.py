@@ -1,0 +1,282 @@
+"""`grouped_matmul`: the TPU kernel body (run by the Pallas interpreter on CPU) against the
+plain-JAX reference on random inputs, and the kernel compiled ahead of time for TPU v5p, v6e and
+v7x at DeepSeek-V4-Flash's routed-expert shapes (dsv4_jax.aot; the `aot` extra).
+
+Tolerances (`_check`): both sides dequantize the same way (value times scale in fp32, rounded
+once to x's dtype) and accumulate in fp32; they differ only in the order of the sums (the
+ragged dot's against the MXU tile order).
+* fp32 x: max |kernel - ref| <= 1e-5 * max |ref|: K <= 4096 fp32 products summed in another
+  order differ by a few ulps of the largest partial sums.
+* bf16 x: max |kernel - ref| <= 2^-6 * max |ref|, and fewer than 1% of the elements differ: the
+  fp32 sums agree to ~1e-6, but the result is rounded to bf16, and a last-bit difference can
+  flip that rounding (one bf16 ulp, 2^-7 relative at worst).
+Rows past sum(group_sizes) must be exactly zero.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from dsv4_jax import aot
+from dsv4_jax.quantized import QuantizedWeight
+from pallas_kernels import grouped_matmul, grouped_matmul_ref, report
+from pallas_kernels import grouped_matmul_tpu as gmt
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+S = jax.ShapeDtypeStruct
+
+
+def _check(out, ref, sizes):
+    out = np.asarray(out.astype(F32))
+    ref_ = np.asarray(ref.astype(F32))
+    assert out.shape == ref_.shape and out.dtype == ref_.dtype
+    assert np.all(out[int(np.sum(sizes)):] == 0.0)
+    scale = max(np.abs(ref_).max(), 1e-30)
+    err = np.abs(out - ref_).max()
+    if ref.dtype == F32:
+        assert err <= 1e-5 * scale, (err, scale)
+    else:
+        assert err <= 2.0 ** -6 * scale, (err, scale)
+        assert np.mean(out != ref_) < 0.01
+
+
+def _weight(fmt, lead, n, k, seed, float_scales=False):
+    """A random expert stack `lead + [n, k]`: "fp8" (e4m3 values over their whole range and
+    power-of-two block scales, as V4 stores them, or arbitrary positive float scales), "fp4"
+    (every code byte, E8M0 scales near 1), or a plain "bf16" / "fp32" array."""
+    rng = np.random.default_rng(seed)
+    lead = tuple(lead)
+    if fmt == "fp8":
+        values = (rng.standard_normal(lead + (n, k)) * 2.0 ** rng.integers(-9, 8, lead + (n, k))).clip(-448, 448)
+        blocks = lead + (-(-n // 128), -(-k // 128))
+        scale = rng.uniform(0.001, 0.1, blocks) if float_scales else 2.0 ** rng.integers(-12, 2, blocks)
+        return QuantizedWeight(jnp.asarray(values, jnp.float8_e4m3fn), jnp.asarray(scale, F32), fmt="fp8")
+    if fmt == "fp4":
+        return QuantizedWeight(jnp.asarray(rng.integers(0, 256, lead + (n, k // 2)), jnp.uint8),
+                               jnp.asarray(rng.integers(118, 136, lead + (n, -(-k // 32))), jnp.uint8), fmt="fp4")
+    return jnp.asarray(rng.standard_normal(lead + (n, k)), BF16 if fmt == "bf16" else F32)
+
+
+def _sizes(m, e, kind, seed):
+    """group_sizes `[e]`: "spread" (random, some experts empty, sum m), "padded" (the same over
+    m - 5 rows: the last rows belong to no group), "one" (every row in one expert)."""
+    rng = np.random.default_rng(seed)
+    if kind == "one":
+        return np.eye(e, dtype=np.int32)[e // 2] * m
+    rows = m - 5 if kind == "padded" and m > 5 else m
+    used = rng.random(e) < 0.6
+    used[rng.integers(e)] = True
+    choice = rng.choice(np.flatnonzero(used), rows)
+    return np.bincount(choice, minlength=e).astype(np.int32)
+
+
+# (M, format, x dtype, E, N, K, group sizes): M from decode (1, 3, 8 rows, fewer than E) to a
+# prefill chunk (512); N and K off the 128 lanes; FP4 with K / 32 a multiple of 128 (scales read
+# as stored, `[E, N, G]`) and not (read transposed, `[E, G, N]`); float FP8 scales in
+# test_grouped_matmul_dequantizes_exactly.
+MATCHES = [
+    (1, "fp8", BF16, 8, 200, 300, "spread"),
+    (3, "fp4", F32, 8, 200, 300, "padded"),
+    (8, "fp4", BF16, 4, 128, 4096, "spread"),
+    (8, "fp32", F32, 16, 300, 200, "one"),
+    (64, "bf16", F32, 6, 256, 128, "padded"),
+    (512, "fp8", BF16, 8, 384, 256, "spread"),
+    (512, "fp4", BF16, 4, 256, 192, "padded"),
+]
+
+
+@pytest.mark.parametrize("m, fmt, dtype, e, n, k, kind", MATCHES)
+def test_grouped_matmul_matches_ref(m, fmt, dtype, e, n, k, kind):
+    w = _weight(fmt.split("-")[0], (e,), n, k, seed=m + n + k, float_scales=fmt.endswith("float"))
+    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
+    sizes = _sizes(m, e, kind, seed=m + e)
+    g = jnp.asarray(sizes)
+    out = grouped_matmul(x, w, g, impl="pallas")
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(out, grouped_matmul_ref(x, w, g), sizes)
+
+
+@pytest.mark.parametrize("sizes", [
+    [0, 70, 0, 0, 0, 0],  # one group holds every row
+    [5, 0, 20, 1, 0, 30],  # groups straddle tiles; rows 56..69 (a whole tile of them) in no group
+    [16, 16, 0, 16, 16, 6],  # groups on tile edges
+    [0, 0, 0, 0, 0, 0],  # no row chosen: all zeros
+])
+def test_grouped_matmul_group_layouts(sizes):
+    """Small tiles (TM 16, TN 128: 5 row tiles, 3 column tiles) so that tiles straddle groups,
+    a tile lies past every group, and empty groups sit between and around the others."""
+    w = _weight("fp8", (6,), 300, 200, seed=1)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((70, 200)), F32)
+    g = jnp.asarray(sizes, jnp.int32)
+    out = gmt.grouped_matmul_tpu(x, w.values, g, fmt="fp8", scale=w.scale, interpret=True, block_shape=(16, 128))
+    _check(out, grouped_matmul_ref(x, w, g), sizes)
+
+
+def test_grouped_matmul_routed_tokens():
+    """Tokens routed to 3 experts each: the (token, slot) rows sorted by expert, multiplied,
+    and put back; each row must be its token times its own expert (a token's rows lie in
+    several groups, at once and in tiles shared with other tokens)."""
+    t, top_k, e, n, k = 6, 3, 8, 200, 256
+    rng = np.random.default_rng(3)
+    experts = np.stack([rng.choice(e, top_k, replace=False) for _ in range(t)])
+    x = jnp.asarray(rng.standard_normal((t, k)), F32)
+    w = _weight("fp4", (e,), n, k, seed=4)
+    order = np.argsort(experts.reshape(-1), kind="stable")
+    sizes = np.bincount(experts.reshape(-1), minlength=e).astype(np.int32)
+    rows = gmt.grouped_matmul_tpu(x[order // top_k], w.values, jnp.asarray(sizes), fmt="fp4", scale=w.scale,
+                                  interpret=True, block_shape=(16, 128))
+    y = np.zeros((t * top_k, n), np.float32)
+    y[order] = np.asarray(rows)
+    dense = np.asarray(w.dequantize(F32), np.float64)
+    want = np.einsum("tk,tjnk->tjn", np.asarray(x, np.float64), dense[experts]).reshape(t * top_k, n)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt, dtype", [("fp4", F32), ("bf16", BF16)])
+def test_grouped_matmul_layer_of_a_stack(fmt, dtype):
+    """With `layer` (traced, under jit) the kernel reads layer `layer` of the `[L, E, N, K]`
+    stack: the same as the reference on that layer's slice, and not another layer's."""
+    w = _weight(fmt, (3, 4), 200, 256, seed=5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((20, 256)), dtype)
+    sizes = np.array([7, 0, 9, 3], np.int32)
+    run = jax.jit(lambda x, g, layer: grouped_matmul(x, w, g, layer=layer, impl="pallas"))
+    outs = [run(x, jnp.asarray(sizes), jnp.int32(layer)) for layer in (0, 2)]
+    for layer, out in zip((0, 2), outs):
+        _check(out, grouped_matmul_ref(x, w[layer], jnp.asarray(sizes)), sizes)
+    assert not np.allclose(np.asarray(outs[0], F32), np.asarray(outs[1], F32))
+
+
+@pytest.mark.parametrize("fmt, dtype", [("fp8", F32), ("fp4", BF16)])
+def test_grouped_matmul_dequantizes_exactly(fmt, dtype):
+    """x = the identity, its rows split over experts 0 and 2: every output is one product with
+    1.0, so row i must be column i of its expert's dequantized weight bit for bit (FP4: the
+    nibble order and every per-32 scale; FP8: the block scales, float ones included)."""
+    k, n = 256, 200
+    w = _weight(fmt, (3,), n, k, seed=7, float_scales=True)
+    sizes = np.array([100, 0, 156], np.int32)
+    out = gmt.grouped_matmul_tpu(jnp.eye(k, dtype=dtype), w.values, jnp.asarray(sizes), fmt=fmt, scale=w.scale,
+                                 interpret=True, block_shape=(64, 128))
+    dense = np.asarray(w.dequantize(dtype).astype(F32))
+    want = np.concatenate([dense[0].T[:100], dense[2].T[100:]])
+    np.testing.assert_array_equal(np.asarray(out.astype(F32)), want)
+
+
+def test_grouped_matmul_metadata():
+    """Steps go only to groups with rows, in order over their row tiles (a straddled tile
+    once per group); the zeroing steps cover the tiles past every group; the padding steps
+    repeat the last group, x tile and output tile, so the pipeline fetches nothing for them."""
+    sizes = jnp.asarray([5, 0, 20, 1, 0, 30, 0], jnp.int32)  # 56 rows of 80: tiles of 16
+    steps = gmt.max_steps(5, 80, 7)
+    group, out_tile, x_tile, offsets, live = (np.asarray(a) for a in gmt._metadata(sizes, 5, 16, steps))
+    assert steps == 5 + 7 - 1 and list(live) == [7, 8]
+    assert list(group[:7]) == [0, 2, 2, 3, 5, 5, 5] and list(out_tile[:7]) == [0, 0, 1, 1, 1, 2, 3]
+    assert list(x_tile[:7]) == list(out_tile[:7]) and list(offsets) == [0, 5, 5, 25, 26, 26, 56, 56]
+    assert out_tile[7] == 4 and group[7] == 5 and x_tile[7] == 3  # the zeroed tile: no new weight, no x
+    assert all(group[8:] == 5) and all(out_tile[8:] == 4) and all(x_tile[8:] == 3)
+
+
+def test_grouped_matmul_tiles():
+    """Decode (8 rows of 256 experts: TM 16, 8 steps, not 256) and a 512-token prefill chunk of
+    top-6 rows (12 rows per expert: TM 16) at Flash's w1 shape."""
+    assert gmt.tiles(8, 2048, 4096, 256, "fp8", 2, 1) == (16, 512)
+    assert gmt.max_steps(1, 8, 256) == 8
+    assert gmt.tiles(3072, 2048, 4096, 256, "fp4", 2, 1) == (16, 512)
+    assert gmt.max_steps(3072 // 16, 3072, 256) == 192 + 255
+    assert gmt.tiles(512, 256, 256, 4, None, 4, 4) == (128, 256)
+
+
+def test_grouped_matmul_impls_and_errors():
+    w = _weight("fp8", (4,), 200, 300, seed=8)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((10, 300)), F32)
+    g = jnp.asarray([3, 0, 4, 2], jnp.int32)
+    ref = grouped_matmul_ref(x, w, g)
+    np.testing.assert_array_equal(np.asarray(grouped_matmul(x, w, g, impl="ref")), np.asarray(ref))
+    if jax.default_backend() == "cpu":  # "auto" is the reference where no kernel runs
+        np.testing.assert_array_equal(np.asarray(grouped_matmul(x, w, g)), np.asarray(ref))
+    with pytest.raises(ValueError):
+        grouped_matmul(x, w, g, impl="triton")
+    with pytest.raises(ValueError, match=r"x \(10, 300\), a weight \[4, 200, 300\] and group_sizes \(3,\)"):
+        grouped_matmul(x, w, g[:3])
+    with pytest.raises(ValueError, match="needs x"):
+        grouped_matmul(x, w, g, layer=0)
+    assert {"grouped_matmul", "grouped_matmul_ref"} <= set(pallas_kernels.__all__)
+
+
+# ----------------------------------------------------------------------------- compiled for TPU
+
+TPU_TARGETS = [t for t in ("v5p-8", "v6e-8", "tpu7x-8") if aot.target(t).platform == "tpu"]
+HLO_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "f8e4m3fn", jnp.dtype(jnp.uint8): "u8", jnp.dtype(F32): "f32",
+              jnp.dtype(BF16): "bf16"}
+
+# (format, M, E, N, K, layers): V4-Flash's routed experts (256 of them; w1/w3 [2048, 4096], w2
+# [4096, 2048]): decode (8 rows, e.g. one token's 6 plus 2 more; fewer than E) and a 512-token
+# prefill chunk of top-6 rows (3072), stacked over layers (the layer read in place) or not.
+COMPILED = {
+    "fp8-w1-decode-layers": ("fp8", 8, 256, 2048, 4096, 2),
+    "fp4-w1-decode-layers": ("fp4", 8, 256, 2048, 4096, 2),
+    "fp4-w2-prefill-layers": ("fp4", 3072, 256, 4096, 2048, 2),
+    "bf16-w1-prefill": ("bf16", 3072, 256, 2048, 4096, None),
+}
+
+
+def _stored(fmt, lead, n, k):
+    """The stored arrays of an expert stack, as abstract values."""
+    if fmt == "fp8":
+        return [S(lead + (n, k), jnp.float8_e4m3fn), S(lead + (-(-n // 128), -(-k // 128)), F32)]
+    if fmt == "fp4":
+        return [S(lead + (n, k // 2), jnp.uint8), S(lead + (n, -(-k // 32)), jnp.uint8)]
+    return [S(lead + (n, k), BF16)]
+
+
+def _stack_ops(hlo: str, array) -> list[str]:
+    """The instructions of the compiled program, but the parameter and the kernel itself, that
+    produce an array of the stack's shape in another layout, or by any op but a move between
+    memory spaces (XLA may put a small operand in VMEM before the kernel)."""
+    shape = f"{HLO_DTYPES[jnp.dtype(array.dtype)]}[{','.join(map(str, array.shape))}]"
+    param = re.search(re.escape(shape) + r"\{([^}]*)\}[^\n]* parameter\(", hlo)
+    layout = re.sub(r"S\(\d+\)", "", param.group(1))
+    bad = []
+    for line in hlo.splitlines():
+        if (shape not in line or not re.match(r"\s*(ROOT )?%\S+ = ", line) or " parameter(" in line
+                or "tpu_custom_call" in line):
+            continue
+        layouts = {re.sub(r"S\(\d+\)", "", m) for m in re.findall(re.escape(shape) + r"\{([^}]*)\}", line)}
+        if layouts != {layout} or not re.search(r" (copy-start|copy-done)\(", line):
+            bad.append(line.strip()[:200])
+    return bad
+
+
+@pytest.mark.parametrize("case", list(COMPILED))
+@pytest.mark.parametrize("target", TPU_TARGETS)
+def test_grouped_matmul_compiles_and_reads_chosen_experts_once(target, case):
+    """The kernel is in the compiled program; its declared cost (what dsv4-plan counts) and the
+    program's are at least the stored bytes (values and scales) of the experts the rows may
+    choose (min(E, M) of them), and the declared one at most 10% more than those, x and the
+    output (x is read once per column tile; FP8 reads its layer's scales whole); and no op but
+    the kernel copies or re-lays out a weight stack (the layer is not sliced out, and the
+    scales are taken in the layout XLA stores them in)."""
+    fmt, m, e, n, k, layers = COMPILED[case]
+    lead = (layers, e) if layers else (e,)
+    weights = _stored(fmt, lead, n, k)
+    args = [S((m, k), BF16), S((e,), jnp.int32), *weights] + ([S((), jnp.int32)] if layers else [])
+
+    def fn(x, g, *rest):
+        w, layer = (rest[:-1], rest[-1]) if layers else (rest, None)
+        return gmt.grouped_matmul_tpu(x, w[0], g, fmt=None if fmt == "bf16" else fmt,
+                                      scale=w[1] if len(w) > 1 else None, layer=layer)
+
+    result = aot.compile_for(target, jax.jit(fn), *args)
+    assert aot.mosaic_kernels(result.compiled, "tpu") == ["dsv4_grouped_matmul"]
+    per_expert = sum(a.size * a.dtype.itemsize for a in weights) // (layers or 1) // e
+    chosen = min(e, m) * per_expert
+    declared = report._tpu_facts(result.compiled)["declared_cost"]["bytes_accessed"]
+    assert result.cost["bytes accessed"] >= declared >= chosen
+    assert declared <= 1.1 * (chosen + 2 * m * (k + n))
+    hlo = result.compiled.as_text()
+    assert [op for a in weights for op in _stack_ops(hlo, a)] == []
