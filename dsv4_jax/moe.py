@@ -86,13 +86,15 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
 
 def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
     """The (token, slot) pairs of experts int `[T, k]` in expert order: (order `[T*k]` into the
-    flattened pairs, their local expert ids `[T*k]`, n_experts for another device's experts)."""
+    flattened pairs, their local expert ids `[T*k]`, n_experts for another device's experts,
+    and the pairs each local expert has, int32 `[n_experts]`)."""
     flat_e = experts.reshape(-1)
     if first_expert is not None:  # another device's experts sort last, as expert n_experts, and are not run
         flat_e = flat_e - first_expert
         flat_e = jnp.where((flat_e >= 0) & (flat_e < n_experts), flat_e, n_experts)
     order = jnp.argsort(flat_e, stable=True)
-    return order, flat_e
+    counts = jnp.zeros((n_experts + 1,), jnp.int32).at[flat_e].add(1)[:n_experts]
+    return order, flat_e, counts
 
 
 def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
@@ -101,11 +103,10 @@ def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp
     row chose); products in the weights' compute dtype as `expert` computes them."""
     T, k = experts.shape
     E = w1.shape[0] if layer is None else w1.shape[1]
-    order, flat_e = _sorted_pairs(experts, E, first_expert)
+    order, flat_e, group_sizes = _sorted_pairs(experts, E, first_expert)
     own = flat_e[order] < E
     token = order // k
     hw = jnp.where(own, weights.reshape(-1)[order], 0.0)[:, None]
-    group_sizes = jnp.zeros((E + 1,), jnp.int32).at[flat_e].add(1)[:E]
 
     def gmm(rows, w):
         return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
@@ -128,12 +129,11 @@ def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> j
     def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
         return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
 
-    order, flat_e = _sorted_pairs(experts, E, first_expert)
+    order, flat_e, counts = _sorted_pairs(experts, E, first_expert)
     sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
     if b == 1 and in_place:
         return _each_pair(x, sorted_e, sorted_t, sorted_w, (w1, w2, w3), ffn)
     n_blocks = -(-(rows + E * (b - 1)) // b)
-    counts = jnp.zeros((E + 1,), jnp.int32).at[flat_e].add(1)[:E]
     padded = (counts + b - 1) // b * b
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded

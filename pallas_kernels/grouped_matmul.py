@@ -4,7 +4,6 @@ matmul), the weights kept as stored (plain, FP8 or FP4), with a choice of implem
 
 from __future__ import annotations
 
-
 from ._dispatch import dispatch
 from .grouped_matmul_ref import grouped_matmul_ref
 from .grouped_matmul_tpu import grouped_matmul_tpu

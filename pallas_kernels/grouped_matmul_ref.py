@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def grouped_matmul_ref(x, w, group_sizes, *, layer=None):
     """x `[M, K]` (bf16 or fp32; rows sorted by group, group g's rows contiguous, groups in order
     0..E-1) times each group's expert of w transposed: `[M, N]` in x's dtype, rows past
