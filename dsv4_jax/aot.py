@@ -172,14 +172,15 @@ class Result(NamedTuple):
     cost: dict  # XLA's cost analysis per device: "flops", "bytes accessed", ...
 
 
-def compile_for(name: str, jitted, *args, mesh: Mesh | None = None) -> Result:
+def compile_for(name: str, jitted, *args, mesh: Mesh | None = None, compiler_options: dict | None = None) -> Result:
     """Compiles `jitted` (a `jax.jit` function) for target `name` and returns it with its memory
     and cost analysis.
 
     args: the call's arguments; their `jax.ShapeDtypeStruct` leaves are the abstract inputs
     (any other leaf, e.g. a static argument, is passed as is). A struct that carries a sharding
     keeps it; one without goes to the target's first device (mesh None) or is replicated over
-    `mesh`. Compiler errors propagate (they are the point)."""
+    `mesh`. compiler_options: passed to `.compile()` (XLA flags for this compile, e.g.
+    {"xla_dump_to": dir}). Compiler errors propagate (they are the point)."""
     t = target(name)
     default = SingleDeviceSharding(topology(name)[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
 
@@ -189,7 +190,7 @@ def compile_for(name: str, jitted, *args, mesh: Mesh | None = None) -> Result:
         return leaf
 
     placed = jax.tree.map(place, args, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    compiled = jitted.lower(*placed).compile()
+    compiled = jitted.lower(*placed).compile(compiler_options)
     return Result(compiled, memory_of(compiled), cost_of(compiled, t.platform))
 
 
@@ -214,14 +215,15 @@ def cost_of(compiled, platform: str) -> dict:
     return {k: float(v) for k, v in dict(cost).items()}
 
 
-MOSAIC_CUSTOM_CALLS = {"tpu": ("tpu_custom_call",), "cuda": ("mosaic_gpu", "mosaic_gpu_v2")}
+# The custom calls a Pallas kernel compiles to: Mosaic TPU; Mosaic GPU and Pallas-Triton on CUDA.
+KERNEL_CUSTOM_CALLS = {"tpu": ("tpu_custom_call",), "cuda": ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")}
 
 
-def mosaic_kernels(compiled, platform: str) -> list[str]:
-    """The Mosaic kernels in a compiled program: for each Mosaic custom call (TPU:
-    tpu_custom_call; CUDA: the Mosaic GPU call), the kernel's name (the pallas_call `name` / the
-    Mosaic GPU `kernel_name`, from the call's op_name), in program order."""
-    targets = MOSAIC_CUSTOM_CALLS[platform]
+def kernel_calls(compiled, platform: str) -> list[str]:
+    """The Pallas kernels in a compiled program: for each kernel's custom call (TPU:
+    tpu_custom_call; CUDA: the Mosaic GPU or Triton call), the kernel's name (the pallas_call
+    `name` / the Mosaic GPU `kernel_name`, from the call's op_name), in program order."""
+    targets = KERNEL_CUSTOM_CALLS[platform]
     names = []
     for line in compiled.as_text().splitlines():
         call = re.search(r'custom_call_target="([^"]+)"', line)

@@ -26,11 +26,11 @@ from pallas_kernels._dispatch import dispatch
 
 from .config import CSA, ModelConfig
 from .indexer import indexer_scores, select_topk
-from .layer_weights import with_weight
+from .layer_weights import LayerSlice, own_weight, with_weight
 from .linear import dense, weight_array
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import apply_rope, cos_sin
-from .sharding import BATCH, HEADS, per_device
+from .sharding import BATCH, HEADS, active, per_device
 
 
 def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
@@ -58,11 +58,39 @@ def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mod
     o = o.reshape(B, T, G, -1)
 
     def grouped(wo_a, o):
-        wo_a = weight_array(wo_a).reshape(G, cfg.o_lora_rank, -1)
+        wo_a = weight_array(own_weight(wo_a)).reshape(G, cfg.o_lora_rank, -1)
         z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
         return z.astype(wo_a.dtype).reshape(B, T, -1)
 
-    return dense(with_weight(grouped, p["wo_a"], o), p["wo_b"], cfg)
+    wo_a = p["wo_a"]
+    if isinstance(wo_a, LayerSlice):  # the layer stack: read in place by the kernel on TPU and GPU
+        kernel = partial(_grouped_output, cfg=cfg)
+        z = jax.lax.platform_dependent(wo_a, o, tpu=kernel, cuda=kernel, default=grouped)
+    else:
+        z = with_weight(grouped, wo_a, o)
+    return dense(z, p["wo_b"], cfg)
+
+
+def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """`output`'s grouped projection by `pallas_kernels.grouped_matmul`: the G groups' rows as
+    its groups, each times its block of wo_a (a LayerSlice `[G*O, H*Dh/G]`), read in place in
+    the layer stack (XLA turns a product of a few rows by a layer's slice into a float32 copy
+    of the slice); per device on a mesh, as the heads are split. o `[B, T, G, H*Dh/G]` ->
+    `[B, T, G*O]` in wo_a's dtype."""
+    mesh = active(cfg)
+    split = mesh is not None and o.shape[0] % cfg.layout.shards(BATCH, mesh) == 0
+    batch = BATCH if split else None
+
+    def local(o, stack, layer):
+        b, t, g, d = o.shape
+        rows = jnp.swapaxes(o.reshape(b * t, g, d), 0, 1).reshape(g * b * t, d).astype(stack.dtype)
+        w = stack.reshape(stack.shape[0], g, -1, d)
+        sizes = jnp.full((g,), b * t, jnp.int32)
+        z = pallas_kernels.grouped_matmul(rows, w, sizes, layer=layer, impl=cfg.attention_impl)
+        return jnp.swapaxes(z.reshape(g, b * t, -1), 0, 1).reshape(b, t, -1)
+
+    run = per_device(cfg, local, ((batch, None, HEADS, None), (None, HEADS, None), None), (batch, None, HEADS))
+    return run(o, wo_a.stack, wo_a.index)
 
 
 def row_positions(p0, batch: int) -> jnp.ndarray:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .quantized import QuantizedWeight
+from .quantized import QuantizedWeight, blocks_divide
 
 # Matmul weights (named w*, shared_w*, and the hyper-connections' fn) whose per-layer slice has
 # at least this many elements get their own buffers; smaller ones (the indexer's head weights)
@@ -66,6 +66,43 @@ class LayerWeight:
 
     def apply(self, fn, *args):
         return jax.lax.switch(self.index, [partial(fn, p) for p in self.parts], *args)
+
+
+# Plain (unquantized) stacked weights that a kernel reads in place (attention.output's wo_a): with
+# every QuantizedWeight, `take_layer` gives them as LayerSlices.
+IN_PLACE = ("wo_a",)
+
+
+@struct.dataclass
+class LayerSlice:
+    """Layer `index` of a stacked weight `[L, ...]` (a QuantizedWeight, or a plain one in
+    IN_PLACE), not sliced out yet: the matmul kernels read it in place (`linear.dense`,
+    `attention.output`), since a kernel's operand sliced out of the stack is a copy of it;
+    everything else takes `.weight`, the slice (which XLA fuses into its consumer)."""
+
+    stack: QuantizedWeight | jnp.ndarray
+    index: jnp.ndarray
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return self.stack[self.index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    @property
+    def fmt(self) -> str:
+        return self.stack.fmt
+
+    def blocked(self) -> bool:
+        """`QuantizedWeight.blocked` of the layer's weight (False for a plain one)."""
+        return (isinstance(self.stack, QuantizedWeight) and self.stack.ndim == 3
+                and blocks_divide(self.stack.shape, self.stack.fmt))
 
 
 @struct.dataclass
@@ -146,21 +183,28 @@ def unstack_layers(params: dict) -> dict:
 
 
 def take_layer(tree, i: jnp.ndarray):
-    """Layer i of every leaf of a stacked tree: a slice of a stacked array, a LayerWeight or
-    LayerExperts."""
+    """Layer i of every leaf of a stacked tree: a slice of a stacked array, a LayerSlice (of a
+    stacked QuantizedWeight, or of an IN_PLACE weight), a LayerWeight or LayerExperts."""
 
-    def take(x):
+    def take(path, x):
         if isinstance(x, PerLayer):
             return LayerWeight(x.parts, i)
         if isinstance(x, PerExpert):
             return LayerExperts(x.parts, i, x.n_experts)
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), x)
+        if isinstance(x, QuantizedWeight) or (path and getattr(path[-1], "key", None) in IN_PLACE):
+            return LayerSlice(x, i)
+        return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
-    return jax.tree.map(take, tree, is_leaf=_is_leaf)
+    return jax.tree_util.tree_map_with_path(take, tree, is_leaf=_is_leaf)
+
+
+def own_weight(w):
+    """w, or a LayerSlice's weight (sliced out of its stack)."""
+    return w.weight if isinstance(w, LayerSlice) else w
 
 
 def with_weight(fn, w, *args):
-    """fn(w, *args), for w an array, a QuantizedWeight or a LayerWeight."""
+    """fn(w, *args), for w an array, a QuantizedWeight, a LayerSlice or a LayerWeight."""
     if isinstance(w, LayerWeight):
         return w.apply(fn, *args)
-    return fn(w, *args)
+    return fn(own_weight(w), *args)

@@ -5,13 +5,15 @@ A `QuantizedWeight` (FP8 / FP4, `dsv4-convert --dtype native`) is multiplied as 
 native checkpoint gives the results of a dequantized one (the same products, at most summed in
 another order). Where it runs depends on the platform the program is lowered for:
 
-* TPU: `pallas_kernels.quantized_matmul` (the FP8 kernel reads each stored byte once and
-  dequantizes on chip), given the model's config: on a mesh it runs once per device, with the
-  rows split as the batch and the weight as its logical axes say, when every device holds whole
-  rows of the weight's input dim; a weight whose input dim is split (a row-parallel projection)
-  stays on XLA's partitioned product, whose partial sums add up in fp32 before rounding;
-* GPU and TPU otherwise: by its scale blocks (`QuantizedWeight.matmul`: XLA fuses the
-  dequantization into the product instead of writing the weight out);
+* TPU and GPU: `pallas_kernels.quantized_matmul` (the FP8 kernels read each stored byte once
+  and dequantize on chip; a layer's weight in place in its stack, `LayerSlice`), given the
+  model's config: on a mesh it runs once per device, with the rows split as the batch and the
+  weight as its logical axes say, when every device holds whole rows of the weight's input dim;
+  a weight whose input dim is split (a row-parallel projection) stays on XLA's partitioned
+  product, whose partial sums add up in fp32 before rounding;
+* otherwise (no config, the per-device code of the routed experts; FP4): by its scale blocks
+  (`QuantizedWeight.matmul`: XLA fuses the dequantization into the product instead of writing
+  the weight out);
 * CPU: the whole dequantized weight (bit for bit a dequantized checkpoint's products and sums).
 """
 
@@ -26,8 +28,8 @@ import jax.numpy as jnp
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
 from .config import ModelConfig
-from .layer_weights import with_weight
-from .quantized import QuantizedWeight
+from .layer_weights import LayerSlice, own_weight, with_weight
+from .quantized import FP8, QuantizedWeight
 from .sharding import BATCH, active, per_device
 
 
@@ -37,39 +39,42 @@ def weight_array(w) -> jnp.ndarray:
 
 
 def dense(x: jnp.ndarray, w, cfg: ModelConfig | None = None) -> jnp.ndarray:
-    """x `[..., in]`, w `[out, in]` (array, QuantizedWeight or LayerWeight) -> `[..., out]` in
-    w's dtype. cfg, the model's, lets a quantized weight take the matmul kernel on TPU (its
-    `attention_impl` choice, per device on its mesh); code already running per device passes
-    none."""
-    return with_weight(partial(_dense, cfg=cfg), w, x)
+    """x `[..., in]`, w `[out, in]` (array, QuantizedWeight, LayerSlice or LayerWeight) ->
+    `[..., out]` in w's dtype. cfg, the model's, lets a quantized weight take the matmul kernel
+    on TPU (its `attention_impl` choice, per device on its mesh); code already running per
+    device passes none."""
+    if isinstance(w, (QuantizedWeight, LayerSlice)) and w.blocked():
+        kernel = partial(_kernel, cfg=cfg) if cfg is not None and w.fmt == FP8 else _blocked
+        return jax.lax.platform_dependent(w, x, cpu=_dense_whole, tpu=kernel, cuda=kernel, default=_blocked)
+    return with_weight(_dense_whole, w, x)
 
 
-def _dense(w, x: jnp.ndarray, cfg: ModelConfig | None) -> jnp.ndarray:
-    if isinstance(w, QuantizedWeight) and w.blocked():
-        tpu = _blocked if cfg is None else partial(_kernel, cfg=cfg)
-        return jax.lax.platform_dependent(w, x, cpu=_dense_whole, tpu=tpu, default=_blocked)
-    return _dense_whole(w, x)
-
-
-def _blocked(w: QuantizedWeight, x: jnp.ndarray) -> jnp.ndarray:
+def _blocked(w, x: jnp.ndarray) -> jnp.ndarray:
+    w = own_weight(w)
     return w.matmul(x.astype(w.dtype)).astype(w.dtype)
 
 
-def _kernel(w: QuantizedWeight, x: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """`pallas_kernels.quantized_matmul`, per device on a mesh (see the module doc)."""
-    out_axis, in_axis = w.axes
+def _kernel(w, x: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """`pallas_kernels.quantized_matmul`, per device on a mesh (see the module doc); a LayerSlice
+    read in place in its stack."""
+    stacked = isinstance(w, LayerSlice)
+    q = w.stack if stacked else w
+    out_axis, in_axis = q.axes
     mesh = active(cfg)
     if mesh is not None and cfg.layout.axes(in_axis, mesh):
         return _blocked(w, x)
     split = mesh is not None and x.shape[0] % cfg.layout.shards(BATCH, mesh) == 0
     x_axes = (BATCH if split else None,) + (None,) * (x.ndim - 1)
-    run = per_device(cfg, partial(pallas_kernels.quantized_matmul, impl=cfg.attention_impl),
-                     (x_axes, w.axes), x_axes[:-1] + (out_axis,))
-    return run(x.astype(w.dtype), w)
+    out_axes = x_axes[:-1] + (out_axis,)
+    matmul = partial(pallas_kernels.quantized_matmul, impl=cfg.attention_impl)
+    if stacked:
+        run = per_device(cfg, lambda x, q, i: matmul(x, q, layer=i), (x_axes, (None,) + q.axes, None), out_axes)
+        return run(x.astype(q.dtype), q, w.index)
+    return per_device(cfg, matmul, (x_axes, q.axes), out_axes)(x.astype(q.dtype), q)
 
 
 def _dense_whole(w, x: jnp.ndarray) -> jnp.ndarray:
-    wd = weight_array(w)
+    wd = weight_array(own_weight(w))
     x = x.astype(wd.dtype)
     if _in_halves(x, wd):
         n, k = wd.shape

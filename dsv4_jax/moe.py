@@ -71,17 +71,21 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     gathered straight out of the stack (a layer's slice of the stack would be copied whole first).
     With `first_expert` (expert parallelism: this device's share of the experts), w holds experts
     first_expert .. first_expert + E - 1 and the pairs choosing others are skipped.
-    Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert: on TPU into groups that
-    `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights (`_grouped`),
-    elsewhere into blocks of b rows that each belong to one expert (`_by_blocks`). Either way
+    Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert: on TPU and GPU into
+    groups that `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights
+    (`_grouped`), on CPU into blocks of b rows that each belong to one expert (`_by_blocks`). Either way
     the work is T*k rows (plus, in blocks, at most b-1 padding rows per expert), never all
     experts for every token.
     """
     args = (x, experts, weights, w1, w2, w3, limit, layer, first_expert)
     if isinstance(w1, LayerExperts):  # CPU only
         return _by_blocks(*args)
-    return jax.lax.platform_dependent(*args[:3], tpu=lambda *a: _grouped(*a, *args[3:]),
+    grouped = lambda *a: _grouped(*a, *args[3:])  # noqa: E731
+    return jax.lax.platform_dependent(*args[:3], tpu=grouped, cuda=grouped,
                                       default=lambda *a: _by_blocks(*a, *args[3:]))
+
+
+ROUTED_SCOPE = "routed_experts"
 
 
 def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
@@ -103,18 +107,22 @@ def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp
     row chose); products in the weights' compute dtype as `expert` computes them."""
     T, k = experts.shape
     E = w1.shape[0] if layer is None else w1.shape[1]
-    order, flat_e, group_sizes = _sorted_pairs(experts, E, first_expert)
-    own = flat_e[order] < E
+    order, _, group_sizes = _sorted_pairs(experts, E, first_expert)
     token = order // k
-    hw = jnp.where(own, weights.reshape(-1)[order], 0.0)[:, None]
+    hw = weights.reshape(-1)[order][:, None]
 
     def gmm(rows, w):
-        return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
+        # (the scope names these calls in the compiled program: dsv4-plan counts the experts
+        # that uniform routing chooses in place of the kernel's declared bound, ROUTED_SCOPE)
+        with jax.named_scope(ROUTED_SCOPE):
+            return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
 
+    # The pairs of another device's experts sort past every group, where the kernel's rows are 0
+    # (so are their h and y).
     xs = x[token]
     h = swiglu(gmm(xs, w1), gmm(xs, w3), limit) * hw
-    y = jnp.where(own[:, None], gmm(h.astype(w2.dtype), w2).astype(jnp.float32), 0.0)
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
+    y = gmm(h.astype(w2.dtype), w2)
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32))
 
 
 def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:

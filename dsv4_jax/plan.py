@@ -53,9 +53,10 @@ from . import sharding  # noqa: E402
 from .cache import cache_spec  # noqa: E402
 from .config import CSA, HCA, ConfigError, ModelConfig  # noqa: E402
 from .model import step  # noqa: E402
-from .moe import _block_size  # noqa: E402
+from .moe import ROUTED_SCOPE, _block_size  # noqa: E402
 from .params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from .presets import PRESETS, preset  # noqa: E402
+from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
 from .quantized import QuantizedWeight, storage_shapes  # noqa: E402
 
 WEIGHT_DTYPES = ("native", "bfloat16")
@@ -195,7 +196,8 @@ def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
             return Compiled(None, None, str(e).strip().splitlines()[0][:300])
         raise
     return Compiled(result.memory, program_cost(result.compiled.as_text(), expert_blocks(s, tokens),
-                                                branch_shares(s.cfg), aot.target(s.target).platform))
+                                                branch_shares(s.cfg), aot.target(s.target).platform,
+                                                unchosen_expert_bytes(s, tokens)))
 
 
 def memory_need(c: Compiled) -> int | None:
@@ -223,6 +225,8 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ATTENTION_KERNEL = "dsv4_sparse_attention"
+GROUPED_KERNEL = "dsv4_grouped_matmul"
+KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
 
 
 def _shape_bytes(text: str) -> int:
@@ -320,7 +324,8 @@ def _scatter_overcount(mod: "_Module", line: str) -> float:
     return 2.0 * max(0, shapes[root.group(1)] - shapes.get(operands[-1], 0))
 
 
-def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu") -> dict:
+def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu",
+                 unchosen_bytes: float = 0.0) -> dict:
     """Flops and bytes accessed per device of a compiled program (its optimized HLO `text`), by
     XLA's HloCostAnalysis of each computation, combined so that every loop counts as often as
     it runs: a while body times its trip count (`dynamic_trips`, the caller's expectation, for a
@@ -328,9 +333,13 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     whose every branch calls the sparse-attention kernel) weights each branch by the share of
     layers that take it (`layer_weights`: branch index -> share, from `branch_shares`); any
     other conditional counts its costliest branch, as XLA does. A Mosaic kernel (a custom call,
-    which XLA counts as nothing) adds its declared cost (TPU: the kernel's pl.CostEstimate), or
-    on GPU, where none is declared, its operands' and result's bytes and no flops. On GPU an
-    in-place scatter fusion (the cache writes) counts its updates, not its whole operand
+    which XLA counts as nothing) adds its declared cost (its pl.CostEstimate: on TPU in its
+    backend config, on GPU in its op_name, `pallas_kernels._dispatch.declared_cost_scope`), or,
+    where none is declared (the Mosaic GPU kernels), its operands' and result's bytes and no
+    flops. The routed experts' grouped matmul (its calls under `moe.ROUTED_SCOPE`) declares the
+    bytes of as many experts as could be chosen; `unchosen_bytes`, the caller's expectation of
+    those no row chooses (`unchosen_expert_bytes`), comes off each such call. On GPU an in-place
+    scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`).
     Returns {"flops", "bytes_accessed", "xla_flops", "xla_bytes_accessed" (XLA's own figures,
     loops counted once), "loops": [{"trips", "assumed"}...]}."""
@@ -341,10 +350,12 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     def total(comp: str) -> np.ndarray:
         out = mod.xla(comp).copy()
         for line in mod.comps[comp]:
-            if "custom-call(" in line and ("tpu_custom_call" in line or "mosaic_gpu" in line):
-                declared = _DECLARED.search(line)
+            if "custom-call(" in line and any(t in line for t in KERNEL_CALLS):
+                declared = _DECLARED.search(line) or DECLARED_COST.search(line)
                 if declared:
                     out += [float(declared.group(1)), float(declared.group(2))]
+                    if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
+                        out[1] -= unchosen_bytes
                 else:
                     out[1] += _shape_bytes(line.split("custom_call_target=")[0])
                 continue
@@ -400,6 +411,23 @@ def expert_blocks(s: Setup, tokens: int) -> float:
     if b == 1:
         return rows * local / experts
     return local * math.ceil(rows / experts / b)
+
+
+def unchosen_expert_bytes(s: Setup, tokens: int) -> float:
+    """The stored bytes of one expert weight (w1, w2 or w3: equal sizes) of one layer, held by a
+    device, times how many of the experts its grouped-matmul kernel declares as read (one per
+    row, at most all its own: `grouped_matmul_tpu`) are expected to be chosen by no row under
+    uniform routing (as `min_bytes` counts the chosen ones)."""
+    cfg = s.cfg
+    w1 = s.params["layers"]["ffn"]["w1"]
+    local = cfg.n_routed_experts // s.shards(sharding.EXPERTS)
+    per_expert = device_bytes(w1) / (cfg.num_layers * local)
+    ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
+    gathered = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
+    token_count = s.batch // s.shards(sharding.BATCH) * gathered * tokens
+    declared = min(local, token_count * cfg.num_experts_per_tok)
+    chosen = local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** token_count)
+    return max(declared - chosen, 0.0) * per_expert
 
 
 # ---- the bytes a step cannot avoid --------------------------------------------------------------

@@ -111,10 +111,7 @@ class QuantizedWeight:
     def blocked(self) -> bool:
         """Whether `matmul` keeps the scale blocks as axes: a 2-d weight whose dims the blocks
         divide (the published models' linears all are)."""
-        out, inp = self.shape[-2:]
-        if self.ndim != 2:
-            return False
-        return (out % FP8_BLOCK == 0 and inp % FP8_BLOCK == 0) if self.fmt == FP8 else inp % FP4_GROUP == 0
+        return self.ndim == 2 and blocks_divide(self.shape, self.fmt)
 
     def matmul(self, x: jnp.ndarray) -> jnp.ndarray:
         """x `[..., in]` (in the compute dtype) times the weight: fp32 `[..., out]`, the very
@@ -154,6 +151,12 @@ class QuantizedWeight:
         else:
             raise ValueError(f"unknown quantized format {self.fmt!r}")
         return w.astype(dtype)
+
+
+def blocks_divide(shape: tuple[int, ...], fmt: str) -> bool:
+    """Whether the scale blocks of `fmt` divide a weight `[..., out, in]` of this shape."""
+    out, inp = shape[-2:]
+    return (out % FP8_BLOCK == 0 and inp % FP8_BLOCK == 0) if fmt == FP8 else inp % FP4_GROUP == 0
 
 
 def is_quantized(x) -> bool:

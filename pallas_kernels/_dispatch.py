@@ -8,6 +8,7 @@ Pallas interpreter anywhere else (CPU). "auto" uses the reference on platforms w
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -27,3 +28,14 @@ def dispatch(impl: str, *, ref: Callable, tpu: Callable, gpu: Callable, interpre
         return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=default)
 
     return run
+
+
+def declared_cost_scope(cost):
+    """A name scope that carries a GPU kernel's declared `pl.CostEstimate` into the compiled
+    program, as `declared_cost_<flops>_<bytes>` in the kernel's op_name: jax's GPU lowerings
+    drop the estimate (a TPU kernel's stays in its backend config), and dsv4-plan counts a
+    kernel by it (`DECLARED_COST`)."""
+    return jax.named_scope(f"declared_cost_{int(cost.flops)}_{int(cost.bytes_accessed)}")
+
+
+DECLARED_COST = re.compile(r"declared_cost_(\d+)_(\d+)")

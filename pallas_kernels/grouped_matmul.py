@@ -5,6 +5,7 @@ matmul), the weights kept as stored (plain, FP8 or FP4), with a choice of implem
 from __future__ import annotations
 
 from ._dispatch import dispatch
+from .grouped_matmul_gpu import grouped_matmul_gpu
 from .grouped_matmul_ref import grouped_matmul_ref
 from .grouped_matmul_tpu import grouped_matmul_tpu
 
@@ -19,8 +20,9 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
     does, to x's dtype); with `layer` (int scalar, may be traced) the stack `[L, E, N, K]` of
     every layer, of which layer `layer` is used without slicing it out first.
     impl: "ref" (`grouped_matmul_ref`: dequantize, then a ragged product), "pallas" (the Mosaic
-    TPU kernel on TPU, and in the Pallas interpreter elsewhere; the reference on CUDA) or "auto"
-    (the kernel on TPU, the reference elsewhere)."""
+    TPU kernel on TPU, the Pallas-Triton kernel `grouped_matmul_gpu` on CUDA, and the TPU
+    kernel in the Pallas interpreter elsewhere) or "auto" (the kernels on TPU and CUDA, the
+    reference elsewhere)."""
     lead = 2 if layer is not None else 1
     if (x.ndim != 2 or len(w.shape) != lead + 2 or w.shape[-1] != x.shape[1]
             or group_sizes.shape != (w.shape[lead - 1],)):
@@ -36,8 +38,11 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
         return lambda x, g, *l: grouped_matmul_tpu(x, values, g, fmt=fmt, scale=scale, layer=l[0] if l else None,
                                                    interpret=interpret)
 
+    def gpu(x, g, *l):
+        return grouped_matmul_gpu(x, values, g, fmt=fmt, scale=scale, layer=l[0] if l else None)
+
     def ref(x, g, *l):
         return grouped_matmul_ref(x, w, g, layer=l[0] if l else None)
 
-    run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=ref, interpret=kernel(True))
+    run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=gpu, interpret=kernel(True))
     return run(x, group_sizes, *(() if layer is None else (layer,)))

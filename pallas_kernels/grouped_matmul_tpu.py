@@ -53,6 +53,7 @@ FP4_BYTES = 16  # code bytes per FP4 scale (32 elements)
 ROWS = 16  # a tile of bf16 rows
 MAX_TM = 512
 MAX_TN = 512
+WIDE_MIN_TM = 128  # a prefill's row tile does not shrink below the MXU's side to widen TN
 # What the tiles may take of VMEM (double-buffered blocks, the dequantized tile, the product),
 # and the scoped limit given to Mosaic (under v5p's and v7x's 64 MiB).
 VMEM_BUDGET = 32 << 20
@@ -88,18 +89,25 @@ def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_it
     most 512: a step multiplies TM rows whatever its group holds, and the grid has up to one
     step per group beyond the M / TM tiles, so a TM well above the group size wastes MXU work
     (decode: 1 row per expert, TM 16) and one well below adds steps. TN: the largest multiple
-    of 128 up to 512 that divides N rounded up to 128. Both shrink until `vmem_bytes` fits
-    VMEM_BUDGET."""
+    of 128 up to 512 that divides N rounded up to 128; or, for more rows than one tile holds (a
+    prefill chunk, whose x is read once per column tile, each expert's weight once in all), up
+    to half of N: two column tiles (one for each TensorCore of a v5p megacore). Both shrink
+    until `vmem_bytes` fits VMEM_BUDGET: TN first, or for a wide x TM first, down to
+    WIDE_MIN_TM."""
     per_group = pl.cdiv(m, max(1, min(e, m)))
     tm = ROWS
     while tm < min(per_group, MAX_TM):
         tm *= 2
     blocks = pl.cdiv(n, LANES)
-    candidates = [LANES * d for d in range(MAX_TN // LANES, 0, -1) if blocks % d == 0]
+    wide = m > MAX_TM
+    max_tn = max(MAX_TN, _round(pl.cdiv(n, 2), LANES)) if wide else MAX_TN
+    candidates = [LANES * d for d in range(max_tn // LANES, 0, -1) if blocks % d == 0]
     tn = candidates[0]
     while vmem_bytes(tm, tn, n, k, e, fmt, x_itemsize, w_itemsize) > VMEM_BUDGET:
         smaller = [c for c in candidates if c < tn]
-        if smaller:
+        if wide and tm > WIDE_MIN_TM:
+            tm //= 2
+        elif smaller:
             tn = smaller[0]
         elif tm > ROWS:
             tm //= 2
@@ -112,6 +120,21 @@ def max_steps(m_tiles: int, m: int, e: int) -> int:
     """The static grid bound along the steps: every row tile once, plus one step for each group
     after the first that starts inside a tile; at most min(E, M) groups have rows."""
     return m_tiles + max(1, min(e, m)) - 1
+
+
+def operand_shapes(kernel: str, x, values, fmt: str | None, layered: bool) -> tuple[int, int, int, int, int]:
+    """(M, K, E, N, the stored K) of a grouped matmul's x `[M, K]` and stored values `[E, N, K]`
+    (`[L, E, ...]` when layered; FP4: K / 2 code bytes); ValueError naming `kernel` for an unknown
+    format or operands that do not fit."""
+    if fmt not in (None, "fp8", "fp4"):
+        raise ValueError(f"{kernel}: unknown format {fmt!r}")
+    *lead, n, kv = values.shape
+    if len(lead) != 1 + layered:
+        raise ValueError(f"{kernel}: weight {list(values.shape)} needs {'[L, E, N, K]' if layered else '[E, N, K]'}")
+    m, k = x.shape
+    if kv != (k // 2 if fmt == "fp4" else k) or (fmt == "fp4" and k % 2):
+        raise ValueError(f"{kernel}: x {tuple(x.shape)} and a {fmt or 'plain'} weight {list(values.shape)}")
+    return m, k, lead[-1], n, kv
 
 
 def _metadata(group_sizes, m_tiles: int, tm: int, steps: int):
@@ -295,17 +318,8 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     `scale` uint8 `[E, N, ceil(K/32)]` (fmt "fp4"); with `layer` (int32 scalar, may be traced)
     both have a leading layer axis `[L, ...]` and layer `layer` is used. group_sizes int32 `[E]`,
     sum <= M (not checked). block_shape overrides (TM, TN) (TM a multiple of 16, TN of 128)."""
-    if fmt not in (None, "fp8", "fp4"):
-        raise ValueError(f"grouped_matmul_tpu: unknown format {fmt!r}")
     layered = layer is not None
-    *lead, n, kv = values.shape
-    if len(lead) != 1 + layered:
-        raise ValueError(f"grouped_matmul_tpu: weight {list(values.shape)} needs "
-                         f"{'[L, E, N, K]' if layered else '[E, N, K]'}")
-    e = lead[-1]
-    m, k = x.shape
-    if kv != (k // 2 if fmt == "fp4" else k) or (fmt == "fp4" and k % 2):
-        raise ValueError(f"grouped_matmul_tpu: x {tuple(x.shape)} and a {fmt or 'plain'} weight {list(values.shape)}")
+    m, k, e, n, kv = operand_shapes("grouped_matmul_tpu", x, values, fmt, layered)
     tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
     if tm % ROWS or tn % LANES:
         raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")

@@ -5,24 +5,35 @@
 from __future__ import annotations
 
 from ._dispatch import dispatch
+from .quantized_matmul_gpu import fp8_matmul_gpu
 from .quantized_matmul_ref import quantized_matmul_ref
 from .quantized_matmul_tpu import fp8_matmul_tpu
 
 
-def quantized_matmul(x, w, *, impl: str = "auto"):
+def quantized_matmul(x, w, *, layer=None, impl: str = "auto"):
     """x `[..., K]` (bf16 or fp32) times w (a 2-d `QuantizedWeight` `[N, K]`) transposed:
     `[..., N]` in x's dtype, products accumulated in fp32 (`quantized_matmul_ref`'s contract).
-    impl: "ref" (dequantize, then multiply), "pallas" (the Mosaic TPU kernel on TPU, and in the
-    Pallas interpreter on other platforms) or "auto" (the kernel on TPU, the reference
-    elsewhere). FP4 weights, and FP8 on CUDA, have no kernel yet: they use the reference."""
-    if w.ndim != 2 or w.shape[1] != x.shape[-1]:
-        raise ValueError(f"quantized_matmul: x {tuple(x.shape)} and a weight {list(w.shape)} (needs [N, {x.shape[-1]}])")
+    With `layer` (int scalar, may be traced), w is the stack `[L, N, K]` of every layer's weight,
+    of which the kernels read layer `layer` in place (sliced out first, it would be copied).
+    impl: "ref" (dequantize, then multiply), "pallas" (the Mosaic TPU kernel on TPU, the
+    Pallas-Triton kernel on CUDA, and the TPU kernel in the Pallas interpreter on other
+    platforms) or "auto" (the kernels on TPU and CUDA, the reference elsewhere). FP4 weights
+    have no kernel yet: they use the reference."""
+    lead_axes = 1 if layer is not None else 0
+    if w.ndim != 2 + lead_axes or w.shape[-1] != x.shape[-1]:
+        stack = "[L, N, K]" if layer is not None else "[N, K]"
+        raise ValueError(f"quantized_matmul: x {tuple(x.shape)} and a weight {list(w.shape)} "
+                         f"(needs {stack} with K = {x.shape[-1]})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.fmt != "fp8":
         impl = "ref"
-    run = dispatch(impl, ref=lambda x: quantized_matmul_ref(x, w),
-                   tpu=lambda x: fp8_matmul_tpu(x, w.values, w.scale),
-                   gpu=lambda x: quantized_matmul_ref(x, w),
-                   interpret=lambda x: fp8_matmul_tpu(x, w.values, w.scale, interpret=True))
-    return run(x2).reshape(lead + (w.shape[0],))
+    own = w if layer is None else w[layer]
+
+    def run_tpu(x, interpret=False):
+        return fp8_matmul_tpu(x, w.values, w.scale, layer=layer, interpret=interpret)
+
+    run = dispatch(impl, ref=lambda x: quantized_matmul_ref(x, own), tpu=run_tpu,
+                   gpu=lambda x: fp8_matmul_gpu(x, w.values, w.scale, layer=layer),
+                   interpret=lambda x: run_tpu(x, interpret=True))
+    return run(x2).reshape(lead + (w.shape[-2],))

@@ -5,7 +5,8 @@ The weight stays as stored (`dsv4_jax/quantized.py`): e4m3 values `[N, K]` and f
 `[ceil(N/128), ceil(K/128)]`, one per 128x128 block. The grid is (row tiles of x, column tiles of
 the output, K tiles), K innermost, and each grid step brings a `[TN, TK]` tile of the values and
 the scales come whole into SMEM once: every stored byte is read from HBM once per row tile of x
-(once in all when x fits one row tile, as in decode), every scale once. The tile is
+(once in all when x fits one row tile, as in decode), every scale once. Of a stack of layers'
+weights, one layer is read in place: its index reaches the index maps by scalar prefetch. The tile is
 dequantized block by block in VMEM exactly as `QuantizedWeight.dequantize` does it (value times
 scale in float32, rounded once to x's dtype), then multiplied with float32 accumulation:
 `x @ w.T` with the same products, summed in another order.
@@ -18,6 +19,7 @@ is NaN), and rows past N are computed and dropped.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,7 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
     return tm, tn, tk
 
 
-def _kernel(x_ref, v_ref, s_ref, o_ref, w_ref, acc_ref, *, k_total: int, tk: int):
+def _kernel(layer_ref, x_ref, v_ref, s_ref, o_ref, w_ref, acc_ref, *, k_total: int, tk: int):
     j, k = pl.program_id(1), pl.program_id(2)
     tm, tn = x_ref.shape[0], v_ref.shape[0]
 
@@ -80,12 +82,18 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, w_ref, acc_ref, *, k_total: int, tk: int
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def fp8_matmul_tpu(x, values, scale, *, interpret: bool = False, block_shape: tuple[int, int, int] | None = None):
+def fp8_matmul_tpu(x, values, scale, *, layer=None, interpret: bool = False,
+                   block_shape: tuple[int, int, int] | None = None):
     """x `[M, K]` (bf16 or fp32) times the FP8 weight (values e4m3 `[N, K]`, scale float32
-    `[ceil(N/128), ceil(K/128)]`) transposed: `[M, N]` in x's dtype. block_shape overrides
+    `[ceil(N/128), ceil(K/128)]`) transposed: `[M, N]` in x's dtype. With `layer` (an int
+    scalar, may be traced), values and scale are the stacks `[L, N, K]` and `[L, ...]` of every
+    layer, of which layer `layer` is read in place (its index goes to the index maps by scalar
+    prefetch: a slice of the stack, as a kernel operand, would be a copy). block_shape overrides
     (TM, TN, TK) (TN, TK multiples of 128)."""
+    if layer is None:  # one layer: a stack of one (a bitcast)
+        values, scale = values[None], scale[None]
     m, k = x.shape
-    n = values.shape[0]
+    n = values.shape[1]
     tm, tn, tk = block_shape or tiles(m, n, k)
     if tn % BLOCK or tk % BLOCK:
         raise ValueError(f"TN and TK must be multiples of {BLOCK}, got {tn}, {tk}")
@@ -95,27 +103,33 @@ def fp8_matmul_tpu(x, values, scale, *, interpret: bool = False, block_shape: tu
     padded_k = pl.cdiv(k, BLOCK) * BLOCK
     resident = tm * padded_k * x.dtype.itemsize <= X_RESIDENT_BYTES
     if resident:  # x's row tile whole: fetched once, sliced per K step in VMEM
-        x_spec = pl.BlockSpec((tm, padded_k), lambda i, j, kk: (i, 0))
+        x_spec = pl.BlockSpec((tm, padded_k), lambda i, j, kk, l: (i, 0))
     else:
-        x_spec = pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk))
-    # Every stored byte once per row tile of x, the scales once, x once (per column tile when it
-    # is not resident), the output once.
+        x_spec = pl.BlockSpec((tm, tk), lambda i, j, kk, l: (i, kk))
+    # Every stored byte of the layer once per row tile of x, its scales once, x once (per column
+    # tile when it is not resident), the output once.
     x_reads = 1 if resident else grid[1]
-    read = grid[0] * values.size * values.dtype.itemsize + scale.size * scale.dtype.itemsize
+    read = grid[0] * n * k * values.dtype.itemsize + math.prod(scale.shape[1:]) * scale.dtype.itemsize
     cost = pl.CostEstimate(flops=2 * m * n * k, transcendentals=0,
                            bytes_accessed=read + x_reads * x.size * x.dtype.itemsize + m * n * x.dtype.itemsize)
-    return pl.pallas_call(
-        functools.partial(_kernel, k_total=k, tk=tk),
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
         grid=grid,
         in_specs=[x_spec,
-                  pl.BlockSpec((tn, tk), lambda i, j, kk: (j, kk)),
-                  pl.BlockSpec(scale.shape, lambda i, j, kk: (0, 0), memory_space=pltpu.SMEM)],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((x.shape[0], n), x.dtype),
+                  pl.BlockSpec((None, tn, tk), lambda i, j, kk, l: (l[0], j, kk)),
+                  pl.BlockSpec((None,) + scale.shape[1:], lambda i, j, kk, l: (l[0], 0, 0),
+                               memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk, l: (i, j)),
         scratch_shapes=[pltpu.VMEM((tn, tk), x.dtype), pltpu.VMEM((tm, tn), jnp.float32)],
+    )
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    return pl.pallas_call(
+        functools.partial(_kernel, k_total=k, tk=tk),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], n), x.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         cost_estimate=cost,
         interpret=interpret,
         name="dsv4_fp8_matmul",
-    )(x, values, scale)[:m]
+    )(layer_arr, x, values, scale)[:m]

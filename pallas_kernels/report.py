@@ -2,15 +2,23 @@
 DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and case).
 
 Each kernel is compiled ahead of time (dsv4_jax.aot; the `aot` extra, no accelerator needed) for
-TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 matmul, a TPU kernel only so far, for the TPUs),
-and the record holds:
+TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 and grouped matmuls: their Mosaic TPU kernels on
+TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA), and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
     pl.CostEstimate, shown as "declared_cost"; the rest is the wrapper's XLA ops);
-  * GPU: "smem_bytes" (the kernel launch's dynamic shared memory, from Mosaic GPU's MLIR dump),
-    "registers" and "spill_bytes" per thread (ptxas's log: MOSAIC_GPU_DUMP_PTXAS). Mosaic GPU
-    dumps a kernel only when it compiles it, once per process, so the report runs in a fresh one;
+  * GPU, Mosaic GPU kernels: "smem_bytes" (the kernel launch's dynamic shared memory, from
+    Mosaic GPU's MLIR dump), "registers" and "spill_bytes" per thread (ptxas's log:
+    MOSAIC_GPU_DUMP_PTXAS). Mosaic GPU dumps a kernel only when it compiles it, once per process,
+    so the report runs in a fresh one;
+  * GPU, Pallas-Triton kernels (XLA's `__gpu$xla.gpu.triton` call; the Mosaic dump does not see
+    them): from XLA's own dump of the compile (xla_dump_to), the launch's "grid", "threads" per
+    block and "smem_bytes" (its shared memory) in the thunk sequence, and "registers" and
+    "spill_bytes" from `ptxas -v` run on the dumped PTX of the kernel's entry (the ptxas
+    `dsv4_jax.aot` puts first on PATH, the one XLA uses); "declared_cost", the kernel's
+    pl.CostEstimate, which the Triton lowering drops, from its op_name
+    (`_dispatch.declared_cost_scope`);
   * both: "program_memory" (XLA's memory analysis) and "minimum_bytes": what the kernel must
     move at least, every needed byte read once and the output written once (sparse attention:
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
@@ -26,6 +34,8 @@ import argparse
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -35,7 +45,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from . import compress, sparse_attention  # noqa: E402
+from ._dispatch import DECLARED_COST  # noqa: E402
+from .grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from .grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
+from .quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
 from .quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 
 TARGETS = ("v5p-8", "v6e-8", "tpu7x-8", "h100x1")
@@ -83,14 +96,14 @@ def _fp8_matmul_case(m: int, n: int, k: int) -> dict:
     blocks = (-(-n // 128), -(-k // 128))
     args = (S((m, k), BF16), S((n, k), jnp.float8_e4m3fn), S(blocks, F32))
     minimum = n * k + 4 * blocks[0] * blocks[1] + 2 * (m * k + m * n)
-    return {"fn": fp8_matmul_tpu, "args": args, "shapes": {"M": m, "N": n, "K": k, "x": "bfloat16"},
-            "minimum_bytes": minimum, "platforms": ("tpu",)}
+    return {"fn": {"tpu": fp8_matmul_tpu, "cuda": fp8_matmul_gpu}, "args": args,
+            "shapes": {"M": m, "N": n, "K": k, "x": "bfloat16"}, "minimum_bytes": minimum}
 
 
 def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
     """bf16 rows `[m, k]` sorted over Flash's 256 routed experts `[256, n, k]` (FP8: e4m3, float32
-    128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 rows, prefill a
-    512-token chunk of top-6 rows (3072)."""
+    128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 tokens' top-6 rows
+    (48), prefill a 512-token chunk's (3072)."""
     e = 256
     if fmt == "fp8":
         stored = [S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // 128), -(-k // 128)), F32)]
@@ -99,11 +112,14 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
     args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
     per_expert = sum(a.size * a.dtype.itemsize for a in stored) // e
     minimum = min(e, m) * per_expert + 2 * (m * k + m * n)  # as many experts as rows, at most all
-    return {"fn": lambda x, g, v, s: grouped_matmul_tpu(x, v, g, fmt=fmt, scale=s), "args": args,
-            "shapes": {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"},
-            "minimum_bytes": minimum, "platforms": ("tpu",)}
+    return {"fn": {"tpu": lambda x, g, v, s: grouped_matmul_tpu(x, v, g, fmt=fmt, scale=s),
+                   "cuda": lambda x, g, v, s: grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)},
+            "args": args, "shapes": {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"},
+            "minimum_bytes": minimum}
 
 
+# A case's "fn" is one function for every platform (attention and compressors: their entry
+# points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function}.
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -114,9 +130,10 @@ CASES = {
     "compress/hca-decode": lambda: _compress_case(128, D, 1),
     "compress/hca-prefill": lambda: _compress_case(128, D, PREFILL // 128),
     "fp8_matmul/wq_b-decode": lambda: _fp8_matmul_case(1, H * D, 1024),
+    "fp8_matmul/4096x4096-decode8": lambda: _fp8_matmul_case(8, 4096, 4096),
     "fp8_matmul/wq_a-prefill": lambda: _fp8_matmul_case(PREFILL, 1024, 4096),
-    "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8, 2048, 4096),
-    "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8, 2048, 4096),
+    "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8 * 6, 2048, 4096),
+    "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
 }
 
@@ -136,7 +153,7 @@ def _tpu_facts(compiled) -> dict:
     raise RuntimeError("no tpu_custom_call in the compiled program")
 
 
-def _gpu_facts(dump_dir: str) -> dict:
+def _mosaic_gpu_facts(dump_dir: str) -> dict:
     """SMEM, registers and spills of the one Mosaic GPU kernel whose dumps are in dump_dir."""
     logs = [f for f in os.listdir(dump_dir) if f.endswith(".ptxas")]
     passes = [f for f in os.listdir(dump_dir) if f.endswith(".mlir-passes.log")]
@@ -155,33 +172,87 @@ def _gpu_facts(dump_dir: str) -> dict:
             "arch": re.search(r"for '(sm_\w+)'", log).group(1)}
 
 
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# XLA's LLVM optimization of a Triton kernel's PTX changes its registers (e.g. 67 vs 61 for the FP8
+# matmul at decode8), so the GPU compiles state XLA's defaults: XLA_FLAGS may lower them (the test
+# suite's conftest does, for XLA:CPU's compile time) and the report shows what a default compile makes.
+XLA_GPU_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+def _triton_facts(compiled, kernel: str, xla_dump: str) -> dict:
+    """Launch, SMEM, registers, spills and declared cost of the Pallas-Triton kernel `kernel`
+    in a program XLA compiled with xla_dump_to=xla_dump."""
+    calls = [line for line in compiled.as_text().splitlines() if f'custom_call_target="{TRITON_CALL}"' in line]
+    declared = DECLARED_COST.search(calls[0]) if len(calls) == 1 else None
+    if declared is None:
+        raise RuntimeError(f"expected one Triton call with a declared_cost_<flops>_<bytes> op_name, found {calls}")
+    # The launch: "NNN: kCustomKernel [...] <kernel> grid: [x, y, z] threads: [x, y, z]  shared_memory: B bytes".
+    launches = []
+    for f in os.listdir(xla_dump):
+        if f.endswith("thunk_sequence.txt"):
+            launches += re.findall(rf"kCustomKernel \[[^\]]*\] {re.escape(kernel)} grid: \[([\d, ]+)\] "
+                                   rf"threads: \[([\d, ]+)\]\s+shared_memory: (\d+) bytes",
+                                   open(os.path.join(xla_dump, f)).read())
+    if len(launches) != 1:
+        raise RuntimeError(f"expected one launch of {kernel} in the thunk sequence in {xla_dump}, found {launches}")
+    grid, threads, smem = launches[0]
+    entry = re.compile(rf"^(\.visible\s+)?\.entry\s+{re.escape(kernel)}\(", re.M)
+    ptx = [f for f in sorted(os.listdir(xla_dump))
+           if f.endswith(".ptx") and entry.search(open(os.path.join(xla_dump, f)).read())]
+    if len(ptx) != 1:
+        raise RuntimeError(f"expected one PTX file with `.entry {kernel}` in {xla_dump}, found {ptx}")
+    path = os.path.join(xla_dump, ptx[0])
+    arch = re.search(r"^\.target (sm_\w+)", open(path).read(), re.M).group(1)
+    ptxas = shutil.which("ptxas")  # dsv4_jax.aot put the one XLA uses first on PATH
+    if ptxas is None:
+        raise RuntimeError("no ptxas on PATH (the `aot` extra's nvidia-cuda-nvcc-cu12 provides it)")
+    run = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", os.devnull, path], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {path}: {run.stderr[-2000:]}")
+    # ptxas -v reports each entry after "Compiling entry function '<name>' for '<arch>'".
+    log = (run.stdout + run.stderr).split(f"Compiling entry function '{kernel}'", 1)[1]
+    log = log.split("Compiling entry function", 1)[0]
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"smem_bytes": int(smem), "registers": int(regs.group(1)),
+            "spill_bytes": {"stores": int(spills.group(1)), "loads": int(spills.group(2))},
+            "arch": re.search(r"for '(sm_\w+)'", log).group(1),
+            "grid": [int(v) for v in grid.split(",")], "threads": [int(v) for v in threads.split(",")],
+            "declared_cost": {"flops": int(declared.group(1)), "bytes_accessed": int(declared.group(2))}}
+
+
 def report(targets=TARGETS) -> list[dict]:
     records = []
     for target in targets:
         platform = aot.target(target).platform
         for name, make in CASES.items():
             case = make()
-            if platform not in case.get("platforms", ("tpu", "cuda")):
-                continue
+            fn = case["fn"][platform] if isinstance(case["fn"], dict) else case["fn"]
             with tempfile.TemporaryDirectory() as dump:
-                if platform == "cuda":  # read by Mosaic GPU when it compiles
-                    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+                mosaic_dump, xla_dump = os.path.join(dump, "mosaic"), os.path.join(dump, "xla")
+                options = None
+                if platform == "cuda":  # Mosaic GPU reads the variables when it compiles; XLA dumps Triton's PTX
+                    os.makedirs(mosaic_dump)
+                    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=mosaic_dump)
+                    options = {"xla_dump_to": xla_dump, "xla_dump_hlo_pass_re": "NONE", **XLA_GPU_DEFAULTS}
                 try:
-                    result = aot.compile_for(target, jax.jit(case["fn"]), *case["args"])
+                    result = aot.compile_for(target, jax.jit(fn), *case["args"], compiler_options=options)
                 finally:
                     for var in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO"):
                         os.environ.pop(var, None)
-                kernels = aot.mosaic_kernels(result.compiled, platform)
+                kernels = aot.kernel_calls(result.compiled, platform)
                 if len(kernels) != 1:
-                    raise RuntimeError(f"{target} {name}: expected one Mosaic kernel, found {kernels}")
+                    raise RuntimeError(f"{target} {name}: expected one Pallas kernel, found {kernels}")
                 record = {"target": target, "case": name, "kernel": kernels[0], "shapes": case["shapes"],
                           "minimum_bytes": case["minimum_bytes"], "program_memory": result.memory}
                 if platform == "tpu":
                     record.update(_tpu_facts(result.compiled))
                     record["xla_cost"] = {"flops": result.cost["flops"],
                                           "bytes_accessed": result.cost["bytes accessed"]}
+                elif f'custom_call_target="{TRITON_CALL}"' in result.compiled.as_text():
+                    record.update(_triton_facts(result.compiled, kernels[0], xla_dump))
                 else:
-                    record.update(_gpu_facts(dump))
+                    record.update(_mosaic_gpu_facts(mosaic_dump))
             records.append(record)
     return records
 

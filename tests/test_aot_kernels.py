@@ -58,7 +58,7 @@ COMPRESS = {
 
 def _compiled_kernels(target, fn, *args):
     result = aot.compile_for(target, jax.jit(fn), *args)
-    return aot.mosaic_kernels(result.compiled, aot.target(target).platform)
+    return aot.kernel_calls(result.compiled, aot.target(target).platform)
 
 
 @pytest.mark.parametrize("case", list(ATTENTION))
@@ -112,7 +112,7 @@ def test_fp8_matmul_compiles_and_reads_each_byte_once(target, case):
     stored = n * k + 4 * -(-n // 128) * -(-k // 128)
     args = (S((m, k), dtype), S((n, k), jnp.float8_e4m3fn), S((-(-n // 128), -(-k // 128)), F32))
     result = aot.compile_for(target, jax.jit(lambda x, v, s: fp8_matmul_tpu(x, v, s)), *args)
-    assert aot.mosaic_kernels(result.compiled, "tpu") == ["dsv4_fp8_matmul"]
+    assert aot.kernel_calls(result.compiled, "tpu") == ["dsv4_fp8_matmul"]
     minimum = stored + (m * k + m * n) * jnp.dtype(dtype).itemsize
     declared = report._tpu_facts(result.compiled)["declared_cost"]["bytes_accessed"]
     assert result.cost["bytes accessed"] >= declared >= minimum

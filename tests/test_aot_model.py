@@ -12,6 +12,8 @@ compressor calls.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -43,13 +45,14 @@ def test_generate_step_compiles_with_pallas(target, tokens):
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     result = aot.compile_for(target, jitted, params, cache, ids, cfg, True)
 
-    kernels = aot.mosaic_kernels(result.compiled, aot.target(target).platform)
+    kernels = aot.kernel_calls(result.compiled, aot.target(target).platform)
     # Layers: window, ratio 4, ratio 128, ratio 4 (one scan body per kind). Sparse attention in the
     # window, ratio-4 and ratio-128 branches; compressors: the ratio-4 kv and indexer ones and the
     # ratio-128 one.
-    # TPU: the routed experts of the three kinds through the grouped matmul kernel.
-    grouped = ["dsv4_grouped_matmul"] * 3 if aot.target(target).platform == "tpu" else []
-    assert sorted(kernels) == ["dsv4_compress"] * 3 + grouped + ["dsv4_sparse_attention"] * 3
+    # The grouped matmul kernel: the routed experts of the three kinds, and the output projection's
+    # wo_a (once, outside the layer-kind switch).
+    grouped = ["dsv4_grouped_matmul" + ("_gpu" if aot.target(target).platform == "cuda" else "")] * 4
+    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + ["dsv4_sparse_attention"] * 3)
     # The cache is donated and comes back in place; logits [B, 1, V] fp32 (last_only).
     assert result.memory["alias_bytes"] > 0
     logits, new_cache = result.compiled.out_info
@@ -82,12 +85,67 @@ def test_targets():
         aot.mesh("v5p-8", {"data": 8})
 
 
-@pytest.mark.parametrize("layout", ["dp_attention", "tp_attention"])
-def test_native_decode_step_calls_the_fp8_kernel(tmp_path, layout):
-    """The decode step of a small Flash-shaped model with its published FP8/FP4 weights, compiled
-    for a whole v5p-8 the way dsv4-plan compiles it: the FP8 linears go through the matmul kernel
-    per device (under tp_attention too, where the column-parallel ones are split), the routed
-    experts through the grouped matmul kernel (inside the expert-parallel per-device code)."""
+# Instructions that move no data of their own (a kernel reads its operands in place).
+_NO_COPY = (" parameter(", " custom-call(", " bitcast(", " get-tuple-element(", " tuple(", " while(",
+            " conditional(", " call(")
+
+
+def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str]]:
+    """The per-device stored shapes (dtype and dims as HLO prints them, e.g. ("f8e4m3fn",
+    "256,128")) of the stacked
+    quantized weights the kernels read (the FP8 linears, the routed experts): each stack's, one
+    layer's and, for the routed experts, one expert's. Not those whose input dim
+    `split_input(its logical axis)` says the layout splits: they stay on XLA's partitioned
+    product, which re-lays them out (`linear` module doc; a known gap)."""
+    from dsv4_jax.quantized import QuantizedWeight
+
+    shapes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
+        keys = [k.key for k in path]
+        if keys[0] not in ("layers", "csa", "hca") or not isinstance(leaf, QuantizedWeight) or split_input(leaf.axes[1]):
+            continue
+        local = leaf.values.sharding.shard_shape(leaf.values.shape)
+        dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
+        for lead in range(len(local) - 1):
+            shapes.add((dtype, ",".join(map(str, local[lead:]))))
+    return shapes
+
+
+def _copies(text: str, shapes: set[tuple[str, str]]) -> list[str]:
+    """The instructions of a compiled program, outside fusion bodies, whose result has one of
+    `shapes` as its dtype and trailing dims (with any leading ones) and that are not kernels,
+    parameters or plumbing: copies or re-layouts of those weights. (An asynchronous copy into
+    a TPU core's own memory, S(1), is the prefetch of what a kernel reads, not a copy in HBM.)"""
+    from dsv4_jax.plan import _Module
+
+    mod = _Module(text)
+    fused = {c for body in mod.comps.values() for line in body for c in re.findall(r"kind=k\w+, calls=%([\w.\-]+)", line)}
+    found = []
+    for name, body in mod.comps.items():
+        if name in fused:
+            continue
+        for line in body[1:]:
+            m = re.match(r"\s+(?:ROOT )?%\S+ = (\S+) ", line)
+            if not m or any(op in line for op in _NO_COPY) or (" copy-" in line and "S(1)" in m.group(1)):
+                continue
+            arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+            if any(dtype == d and ("," + dims).endswith("," + w) for dtype, dims in arrays for d, w in shapes):
+                found.append(line.strip()[:200])
+    return found
+
+
+@pytest.mark.parametrize("target,layout,tokens", [("v5p-8", "dp_attention", 1), ("v5p-8", "tp_attention", 1),
+                                                  ("v5p-8", "dp_attention", 16), ("h200x8", "dp_attention", 1),
+                                                  ("h200x8", "dp_attention", 16)],
+                         ids=["v5p-dp-decode", "v5p-tp-decode", "v5p-dp-prefill", "h200-dp-decode",
+                              "h200-dp-prefill"])
+def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout, tokens):
+    """The decode step and a prefill chunk of a small Flash-shaped model with its published
+    FP8/FP4 weights, compiled for a whole v5p-8 or h200x8 the way dsv4-plan compiles them: the
+    FP8 linears go through the matmul kernel per device (under tp_attention too, where the
+    column-parallel ones are split), the routed experts and wo_a through the grouped matmul
+    kernel, and no instruction but a kernel's call touches a whole layer's (or expert's) weight:
+    no copy, re-layout or dequantization of one."""
     import json
 
     from dsv4_jax import plan
@@ -100,12 +158,15 @@ def test_native_decode_step_calls_the_fp8_kernel(tmp_path, layout):
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small))
     mesh = None if layout == "dp_attention" else {"expert": 2, "tensor": 2}
-    s = plan.setup(str(path), "v5p-8", layout, mesh, None, "native")
+    s = plan.setup(str(path), target, layout, mesh, None, "native")
     cache = plan.abstract_cache(s.cfg, s.batch, 1024, s.mesh, s.layout)
-    ids = jax.ShapeDtypeStruct((s.batch, 1), jnp.int32, sharding=NamedSharding(s.mesh, s.layout.spec(
+    ids = jax.ShapeDtypeStruct((s.batch, tokens), jnp.int32, sharding=NamedSharding(s.mesh, s.layout.spec(
         (dsv4_jax.sharding.BATCH, None), s.mesh)))
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
-        result = aot.compile_for("v5p-8", jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
-    kernels = aot.mosaic_kernels(result.compiled, "tpu")
-    assert {"dsv4_fp8_matmul", "dsv4_grouped_matmul", "dsv4_sparse_attention"} <= set(kernels)
+        result = aot.compile_for(target, jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
+    platform = aot.target(target).platform
+    suffix = "_gpu" if platform == "cuda" else ""
+    kernels = aot.kernel_calls(result.compiled, platform)
+    assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
+    assert not _copies(result.compiled.as_text(), _weight_shapes(s.params, lambda a: bool(s.layout.axes(a, s.mesh))))

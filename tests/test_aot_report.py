@@ -1,7 +1,7 @@
 """`python -m pallas_kernels.report`: the compiler facts it prints (JSON) are read from real
-compiles (libtpu for v5p; Mosaic GPU + ptxas for the H100) and hang together. Run as the
-command, in its own process: Mosaic GPU dumps a kernel's ptxas log only when it compiles it,
-once per process, and other tests compile the same kernels."""
+compiles (libtpu for v5p; Mosaic GPU + ptxas, and XLA's Triton compile + ptxas, for the H100)
+and hang together. Run as the command, in its own process: Mosaic GPU dumps a kernel's ptxas log
+only when it compiles it, once per process, and other tests compile the same kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from pallas_kernels import grouped_matmul_gpu as gmg
+from pallas_kernels import quantized_matmul_gpu as qmg
 from pallas_kernels import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,14 +26,14 @@ def test_report_prints_compiler_facts():
     run = _run("--targets", "v5p-8,h100x1")
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(run.stdout)
-    gpu_cases = [c for c, make in report.CASES.items() if "cuda" in make().get("platforms", ("cuda",))]
-    assert [(r["target"], r["case"]) for r in records] == ([("v5p-8", c) for c in report.CASES]
-                                                           + [("h100x1", c) for c in gpu_cases])
-    assert len(gpu_cases) < len(report.CASES)  # the FP8 matmul: TPU only
+    assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES]
     by = {(r["target"], r["case"]): r for r in records}
-    for r in records:
-        assert r["kernel"] == "dsv4_" + r["case"].split("/")[0]
+    matmuls = [c for c in report.CASES if c.split("/")[0] in ("fp8_matmul", "grouped_matmul")]
+    for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu"
+        triton = r["target"] == "h100x1" and r["case"] in matmuls
+        assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + ("_gpu" if triton else "")
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
+        assert ("grid" in r) == triton
 
     # Flash decode attention: 640 indices, 640 bf16 rows of 512, q and out [64, 512] bf16.
     tpu, gpu = by["v5p-8", "sparse_attention/flash-decode"], by["h100x1", "sparse_attention/flash-decode"]
@@ -46,15 +48,45 @@ def test_report_prints_compiler_facts():
     assert gpu["smem_bytes"] >= 64 * 512 * 2 + 16 * 512 * 2
     assert 0 < gpu["registers"] <= 255 and gpu["spill_bytes"] == {"stores": 0, "loads": 0}
     for case in report.CASES:
-        assert by["v5p-8", case]["vmem_bytes"] > 0 and (case not in gpu_cases or by["h100x1", case]["registers"] > 0)
+        assert by["v5p-8", case]["vmem_bytes"] > 0 and by["h100x1", case]["registers"] > 0
     # The FP8 matmul declares at least the stored weight (values and scales), x and the output,
     # and at decode the program moves no more than that: the weight is read once.
-    for case in ("fp8_matmul/wq_b-decode", "fp8_matmul/wq_a-prefill"):
+    for case in ("fp8_matmul/wq_b-decode", "fp8_matmul/4096x4096-decode8", "fp8_matmul/wq_a-prefill"):
         r = by["v5p-8", case]
         assert r["xla_cost"]["bytes_accessed"] >= r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
     decode = by["v5p-8", "fp8_matmul/wq_b-decode"]
     assert decode["minimum_bytes"] == 32768 * 1024 + 4 * 256 * 8 + 2 * (1024 + 32768)
     assert decode["xla_cost"]["bytes_accessed"] <= 1.01 * decode["minimum_bytes"]
+
+    # The Triton kernels (H100): XLA's launch of each (the thunk sequence) is the kernel's own grid
+    # and warps (its tiling functions), with shared memory for the pipelined tiles within an
+    # H100's 227 KiB per block; ptxas (run on the dumped PTX) gives registers without spills.
+    # The declared cost comes from the op_name: the kernel's formula, at least the minimum.
+    for case in matmuls:
+        r = by["h100x1", case]
+        m, n, k = (r["shapes"][d] for d in "MNK")
+        if case.startswith("fp8_matmul"):
+            tm, tn, _ = qmg.tiles(m, n, "bfloat16")
+            assert r["grid"] == [-(-m // tm), -(-n // tn), 1]
+            assert r["threads"] == [32 * (8 if tm * tn >= 128 * 128 else 4), 1, 1]
+        else:
+            e = r["shapes"]["E"]
+            tiles = gmg.tiles(m, e)
+            assert r["grid"] == [-(-n // tiles.tn), gmg.max_steps(m, e, tiles.tm), 1]
+            assert r["threads"] == [32 * tiles.num_warps, 1, 1]
+            declared = gmg.cost_estimate(m, n, k, e, r["shapes"]["weight"], 2, 1)
+            assert r["declared_cost"] == {"flops": declared.flops, "bytes_accessed": declared.bytes_accessed}
+        assert r["arch"] == "sm_90a"
+        assert 0 < r["smem_bytes"] <= 227 * 1024
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
+        assert r["declared_cost"]["flops"] >= 2 * m * n * k
+        assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+    # FP8 at decode (8 rows: one row tile, 256 column tiles): HBM bytes are the minimum, the weight
+    # once, x once (its re-reads by the column tiles come from L2), the output once.
+    decode8 = by["h100x1", "fp8_matmul/4096x4096-decode8"]
+    assert decode8["grid"] == [1, 256, 1]
+    assert decode8["minimum_bytes"] == 4096 * 4096 + 4 * 32 * 32 + 2 * (8 * 4096 + 8 * 4096)
+    assert decode8["declared_cost"] == {"flops": 2 * 8 * 4096 * 4096, "bytes_accessed": decode8["minimum_bytes"]}
 
 
 def test_report_rejects_an_unknown_target():

@@ -182,13 +182,20 @@ def test_grouped_matmul_metadata():
 
 
 def test_grouped_matmul_tiles():
-    """Decode (8 rows of 256 experts: TM 16, 8 steps, not 256) and a 512-token prefill chunk of
-    top-6 rows (12 rows per expert: TM 16) at Flash's w1 shape."""
+    """Decode (8 rows of 256 experts: TM 16, 8 steps, not 256; TN 512) and a 512-token prefill
+    chunk of top-6 rows (12 rows per expert: TM 16) at Flash's w1 shape; a prefill (more rows
+    than one tile) takes two column tiles (x is read once per column tile), also under expert
+    parallelism on 8 devices (24,576 rows over 32 experts, w1 and w2), within the VMEM budget."""
     assert gmt.tiles(8, 2048, 4096, 256, "fp8", 2, 1) == (16, 512)
     assert gmt.max_steps(1, 8, 256) == 8
-    assert gmt.tiles(3072, 2048, 4096, 256, "fp4", 2, 1) == (16, 512)
+    assert gmt.tiles(3072, 2048, 4096, 256, "fp4", 2, 1) == (16, 1024)
     assert gmt.max_steps(3072 // 16, 3072, 256) == 192 + 255
     assert gmt.tiles(512, 256, 256, 4, None, 4, 4) == (128, 256)
+    for n, k in ((2048, 4096), (4096, 2048)):
+        for fmt, itemsize in (("fp4", 1), ("fp8", 1)):
+            tm, tn = gmt.tiles(24576, n, k, 32, fmt, 2, itemsize)
+            assert tn == n // 2 and tm >= gmt.WIDE_MIN_TM
+            assert gmt.vmem_bytes(tm, tn, n, k, 32, fmt, 2, itemsize) <= gmt.VMEM_BUDGET
 
 
 def test_grouped_matmul_impls_and_errors():
@@ -272,7 +279,7 @@ def test_grouped_matmul_compiles_and_reads_chosen_experts_once(target, case):
                                       scale=w[1] if len(w) > 1 else None, layer=layer)
 
     result = aot.compile_for(target, jax.jit(fn), *args)
-    assert aot.mosaic_kernels(result.compiled, "tpu") == ["dsv4_grouped_matmul"]
+    assert aot.kernel_calls(result.compiled, "tpu") == ["dsv4_grouped_matmul"]
     per_expert = sum(a.size * a.dtype.itemsize for a in weights) // (layers or 1) // e
     chosen = min(e, m) * per_expert
     declared = report._tpu_facts(result.compiled)["declared_cost"]["bytes_accessed"]

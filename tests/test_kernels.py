@@ -213,6 +213,22 @@ def test_fp8_matmul_dequantizes_exactly(dtype):
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(w.dequantize(dtype).T.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+def test_quantized_matmul_reads_a_layer_of_a_stack(impl):
+    """With `layer` (traced, as inside the layer scan), the weight is a stack `[L, N, K]` and the
+    result is x times layer `layer`'s weight (the kernel indexes the stack; nothing sliced out)."""
+    from dsv4_jax.quantized import QuantizedWeight
+
+    parts = [_fp8_weight(200, 300, jnp.float32, seed=s) for s in (11, 12, 13)]
+    stack = QuantizedWeight(jnp.stack([p.values for p in parts]), jnp.stack([p.scale for p in parts]), fmt="fp8")
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 300)), jnp.float32)
+    run = jax.jit(lambda x, s, i: pallas_kernels.quantized_matmul(x, s, layer=i, impl=impl))
+    for i in (2, 0):
+        _check(run(x, stack, jnp.int32(i)), pallas_kernels.quantized_matmul_ref(x, parts[i]))
+    with pytest.raises(ValueError, match=r"needs \[L, N, K\]"):
+        pallas_kernels.quantized_matmul(x, parts[0], layer=0)
+
+
 def test_quantized_matmul_impls_and_errors():
     """`quantized_matmul`: leading axes kept; on CPU "auto" is the reference itself and "pallas"
     the interpreted kernel; FP4 (no kernel yet) is the reference under every impl; a weight that
@@ -231,5 +247,5 @@ def test_quantized_matmul_impls_and_errors():
         np.testing.assert_array_equal(np.asarray(pallas_kernels.quantized_matmul(x, fp4, impl=impl)),
                                       np.asarray(jnp.einsum("...k,nk->...n", x, fp4.dequantize(),
                                                             preferred_element_type=jnp.float32)))
-    with pytest.raises(ValueError, match=r"x \(2, 3, 384\) and a weight \[256, 512\]"):
+    with pytest.raises(ValueError, match=r"x \(2, 3, 384\) and a weight \[256, 512\] \(needs \[N, K\]"):
         pallas_kernels.quantized_matmul(x, _fp8_weight(256, 512, jnp.float32, seed=3))

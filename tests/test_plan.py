@@ -116,6 +116,35 @@ def test_cost_counts_every_loop_trip(target):
         assert raw["bytes_accessed"] - cost["bytes_accessed"] == pytest.approx(10 * 2 * buffer, rel=0.01)
 
 
+@pytest.mark.parametrize("target", ["v5p-8", "h100x1"])
+def test_cost_counts_kernels_by_their_declared_cost(target):
+    """A Pallas kernel counts as its declared pl.CostEstimate (TPU: from its backend config; GPU:
+    from its op_name, where jax's lowering drops it); a grouped matmul under moe.ROUTED_SCOPE
+    (the routed experts) has `unchosen_bytes` taken off, one outside it (wo_a) not."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4_jax.moe import ROUTED_SCOPE
+    from pallas_kernels import grouped_matmul
+
+    def f(x, w, v, g):
+        with jax.named_scope(ROUTED_SCOPE):
+            routed = grouped_matmul(x, w, g, impl="pallas")
+        return routed, grouped_matmul(x, v, g, impl="pallas")
+
+    stack = jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), stack, stack, jax.ShapeDtypeStruct((8,), jnp.int32))
+    compiled = aot.compile_for(target, jax.jit(f), *args).compiled
+    platform = aot.target(target).platform
+    declared = [float(m.group(2)) for line in compiled.as_text().splitlines() if "custom-call(" in line
+                for m in [plan._DECLARED.search(line) or plan.DECLARED_COST.search(line)] if m]
+    assert len(declared) == 2 and declared[0] >= 8 * 256 * 256 * 2  # every expert's weight, at least
+    full = plan.program_cost(compiled.as_text(), 0, None, platform)
+    less = plan.program_cost(compiled.as_text(), 0, None, platform, unchosen_bytes=1e5)
+    assert full["bytes_accessed"] >= sum(declared)
+    assert full["bytes_accessed"] - less["bytes_accessed"] == pytest.approx(1e5)
+
+
 def test_full_size_configs():
     """The presets are the published models (architecture.md §1.1, §1.4)."""
     flash, pro = preset("flash"), preset("pro")

@@ -1,0 +1,256 @@
+"""`grouped_matmul_gpu` (the Pallas-Triton kernel for Hopper): its body run by the Pallas
+interpreter on CPU against the plain-JAX reference, its grid metadata, its declared cost, and
+the kernel compiled ahead of time for an H100 (sm_90a, through XLA's Triton and ptxas;
+dsv4_jax.aot, the `aot` extra) at DeepSeek-V4-Flash's routed-expert shapes. A missing compiler
+fails (no skips). Nothing here runs on a GPU.
+
+Tolerances (`_check`, as tests/test_grouped_matmul.py): kernel and reference dequantize the same
+way (value times scale in fp32, rounded once to x's dtype: bit-identical weights) and accumulate
+in fp32, so they differ only in the order of the sums (BK-column pieces, FP4's even and odd
+columns apart, against the ragged dot's order).
+* fp32 x: max |kernel - ref| <= 1e-5 * max |ref|: a few hundred fp32 products summed in another
+  order differ by a few ulps of the largest partial sums.
+* bf16 x: max |kernel - ref| <= 2^-6 * max |ref| and under 1% of the elements differ: the fp32
+  sums agree to ~1e-6, but a last-bit difference can flip the rounding to bf16 (one bf16 ulp,
+  2^-7 relative at worst).
+Rows past sum(group_sizes) must be exactly zero (the interpreter starts outputs as NaN, so a row
+no program stores shows up).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import aot
+from dsv4_jax.quantized import QuantizedWeight
+from pallas_kernels import grouped_matmul, grouped_matmul_ref
+from pallas_kernels import grouped_matmul_gpu as gmg
+from test_grouped_matmul import _check, _weight  # the TPU kernel's tests' operands and tolerances
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+S = jax.ShapeDtypeStruct
+
+
+def _run(x, w, sizes, layer=None):
+    values, scale, fmt = (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
+    return gmg.grouped_matmul_gpu(x, values, jnp.asarray(sizes, jnp.int32), fmt=fmt, scale=scale, layer=layer,
+                                  interpret=True)
+
+
+# (format, x dtype, E, N, K, group sizes, M): N and K off the tiles (FP4: K / 2 bytes and K / 32
+# scales off the pieces, the last scale group partial); a decode-like spread of 1-row groups;
+# one group holding every row; groups over several row tiles (TM 16: 40 rows are three tiles)
+# with empty groups between; rows past every group; no row chosen at all; shapes the tiles
+# divide (the weight loads unmasked). "-large": groups of M / E >= 32 rows on average, the
+# prefill tiles (TM 128, TN 256: 130 rows are two tiles; FP8's 256-row column tile spans three
+# scale blocks, one partial).
+MATCHES = {
+    "fp4-decode-bf16": ("fp4", BF16, 16, 96, 300, [1, 0, 1, 1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 1, 1], 9),
+    "fp4-multitile-fp32": ("fp4", F32, 8, 200, 256, [40, 0, 3, 17, 0, 0, 0, 1], 64),
+    "fp8-padded-fp32": ("fp8", F32, 4, 200, 300, [5, 0, 9, 3], 20),
+    "fp8-one-group-bf16": ("fp8", BF16, 4, 130, 256, [0, 37, 0, 0], 37),
+    "fp8-decode-whole-bf16": ("fp8", BF16, 8, 128, 256, [1, 0, 1, 1, 0, 1, 0, 1], 6),
+    "bf16-padded": ("bf16", BF16, 3, 70, 130, [17, 1, 12], 33),
+    "fp32-none-chosen": ("fp32", F32, 4, 70, 130, [0, 0, 0, 0], 5),
+    "fp4-large-bf16": ("fp4", BF16, 4, 300, 200, [130, 0, 100, 50], 300),
+    "fp4-large-whole-fp32": ("fp4", F32, 2, 256, 128, [200, 56], 256),
+    "fp8-large-fp32": ("fp8", F32, 3, 300, 200, [40, 90, 150], 300),
+    "bf16-large": ("bf16", BF16, 2, 260, 130, [70, 60], 130),
+}
+
+
+@pytest.mark.parametrize("case", list(MATCHES))
+def test_grouped_matmul_gpu_matches_ref(case):
+    fmt, dtype, e, n, k, sizes, m = MATCHES[case]
+    assert (gmg.tiles(m, e).tm == 128) == ("-large" in case)
+    w = _weight(fmt, (e,), n, k, seed=n + k)
+    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
+    out = _run(x, w, sizes)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(out, grouped_matmul_ref(x, w, jnp.asarray(sizes, jnp.int32)), sizes)
+
+
+def test_grouped_matmul_gpu_routed_tokens():
+    """Tokens routed to 3 experts each: the (token, slot) rows sorted by expert, multiplied and
+    put back; each row must be its token times its own expert (a token's rows lie in several
+    groups), against a float64 product of the dequantized experts."""
+    t, top_k, e, n, k = 6, 3, 8, 100, 192
+    rng = np.random.default_rng(3)
+    experts = np.stack([rng.choice(e, top_k, replace=False) for _ in range(t)])
+    x = jnp.asarray(rng.standard_normal((t, k)), F32)
+    w = _weight("fp4", (e,), n, k, seed=4)
+    order = np.argsort(experts.reshape(-1), kind="stable")
+    sizes = np.bincount(experts.reshape(-1), minlength=e).astype(np.int32)
+    y = np.zeros((t * top_k, n), np.float32)
+    y[order] = np.asarray(_run(x[order // top_k], w, sizes))
+    dense = np.asarray(w.dequantize(F32), np.float64)
+    want = np.einsum("tk,tjnk->tjn", np.asarray(x, np.float64), dense[experts]).reshape(t * top_k, n)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt, dtype", [("fp4", BF16), ("fp8", F32)])
+def test_grouped_matmul_gpu_layer_of_a_stack(fmt, dtype):
+    """With `layer` traced (under jit) the kernel reads layer `layer` of the `[L, E, N, K]`
+    stack: the reference on that layer's slice, and not another layer's."""
+    w = _weight(fmt, (3, 4), 72, 160, seed=5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((20, 160)), dtype)
+    sizes = np.array([7, 0, 9, 3], np.int32)
+    run = jax.jit(lambda x, g, layer: gmg.grouped_matmul_gpu(x, w.values, g, fmt=fmt, scale=w.scale, layer=layer,
+                                                             interpret=True))
+    outs = {layer: run(x, jnp.asarray(sizes), jnp.int32(layer)) for layer in (0, 2)}
+    for layer, out in outs.items():
+        _check(out, grouped_matmul_ref(x, w, jnp.asarray(sizes), layer=layer), sizes)
+    assert not np.allclose(np.asarray(outs[0], np.float32), np.asarray(outs[2], np.float32))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_matmul_gpu_metadata(seed):
+    """The steps: each group with rows gets ceil(size / TM) tiles, which cover its rows exactly
+    (so its expert is read that many times, once when it fits in a tile) and no empty group
+    gets one (its expert is never read); the zeroing steps cover the rows past every group; all
+    within the static bound. Random sizes, some all in one group, some with none."""
+    rng = np.random.default_rng(seed)
+    m, e = int(rng.integers(1, 300)), int(rng.choice([1, 4, 256]))
+    if seed == 0:
+        sizes = np.zeros(e, np.int32)
+    elif seed == 1:
+        sizes = np.eye(e, dtype=np.int32)[e - 1] * m
+    else:
+        sizes = np.bincount(rng.integers(0, e, int(rng.integers(0, m + 1))), minlength=e).astype(np.int32)
+    tm = gmg.row_tile(m, e)
+    steps = gmg.max_steps(m, e, tm)
+    start, end, group, live = map(np.asarray, gmg._metadata(jnp.asarray(sizes), m, tm, steps))
+    n_real, n_live = live
+    assert n_live <= steps
+    ends = np.cumsum(sizes)
+    covered = np.zeros(m, np.int32)
+    for t in range(n_real):
+        g = group[t]
+        assert sizes[g] > 0 and end[t] == ends[g] and start[t] >= ends[g] - sizes[g]
+        covered[start[t]:min(start[t] + tm, end[t])] += 1
+    assert np.array_equal(np.bincount(group[:n_real], minlength=e), -(-sizes // tm))
+    for t in range(n_real, n_live):
+        assert start[t] >= ends[-1] and end[t] == m
+        covered[start[t]:min(start[t] + tm, m)] += 1
+    assert np.all(covered == 1)  # every row stored by exactly one step
+
+
+# Flash's routed experts (256, hidden 4096, moe_intermediate 2048), FP4 and FP8: (format, M, N, K,
+# E): decode (8 tokens x top-6 = 48 rows), a 512-token prefill chunk (3072 rows, TM 32), and 8
+# such sequences' chunk on one of 8 GPUs, expert parallel (24576 rows over its 32 experts, ~768
+# rows each: the large tiles).
+FLASH = {
+    "fp4-w1-decode": ("fp4", 48, 2048, 4096, 256),
+    "fp8-w1-decode": ("fp8", 48, 2048, 4096, 256),
+    "fp4-w2-prefill": ("fp4", 3072, 4096, 2048, 256),
+    "fp4-w1-prefill": ("fp4", 3072, 2048, 4096, 256),
+    "fp4-w1-prefill-ep": ("fp4", 24576, 2048, 4096, 32),
+    "fp4-w2-prefill-ep": ("fp4", 24576, 4096, 2048, 32),
+    "fp8-w1-prefill-ep": ("fp8", 24576, 2048, 4096, 32),
+}
+
+
+def _stored(fmt, lead, n, k):
+    if fmt == "fp8":
+        return [S(lead + (n, k), jnp.float8_e4m3fn), S(lead + (-(-n // 128), -(-k // 128)), F32)]
+    return [S(lead + (n, k // 2), jnp.uint8), S(lead + (n, -(-k // 32)), jnp.uint8)]
+
+
+def _declared(fn, *args):
+    """The pl.CostEstimate declared on the kernel's pallas_call (the Triton lowering drops it,
+    so it is read from the traced program)."""
+    eqns = [q for q in jax.make_jaxpr(fn)(*args).eqns if q.primitive.name == "pallas_call"]
+    assert len(eqns) == 1
+    return eqns[0].params["cost_estimate"]
+
+
+@pytest.mark.parametrize("case", [c for c in FLASH if c != "fp4-w2-prefill-ep"])
+def test_grouped_matmul_gpu_declared_cost(case):
+    """Declared bytes (HBM) >= what the kernel must read and write at least: the stored values
+    and scales of min(E, M) chosen experts, x and the output; and exactly that when an expert
+    fits a quarter of L2 (a group's steps, launched together, re-read its weight from L2; the
+    column tiles of a step its x rows), as Flash's do. An expert too large for that is counted
+    once per computing step (the grid bound). Flops: TM rows on every computing step."""
+    fmt, m, n, k, E = FLASH[case]
+    stored = _stored(fmt, (E,), n, k)
+    per_expert = sum(a.size * a.dtype.itemsize for a in stored) // E
+    assert per_expert == gmg.stored_bytes_per_expert(n, k, fmt, 1)
+    cost = _declared(lambda x, g, v, s: gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s),
+                     S((m, k), BF16), S((E,), jnp.int32), *stored)
+    io = 2 * (m * k + m * n)
+    assert 4 * per_expert <= gmg.L2_BYTES
+    assert cost.bytes_accessed == min(E, m) * per_expert + io
+    tm = gmg.tiles(m, E, fmt).tm
+    assert cost.flops == 2 * (gmg.max_steps(m, E, tm) - 1) * tm * n * k
+    big_n, big_k = 8192, 8192  # an FP8 expert of 64 MiB
+    big = gmg.cost_estimate(m, big_n, big_k, E, "fp8", 2, 1)
+    steps = gmg.max_steps(m, E, gmg.tiles(m, E, "fp8").tm) - 1
+    assert big.bytes_accessed == steps * gmg.stored_bytes_per_expert(big_n, big_k, "fp8", 1) + 2 * (m * big_k + m * big_n)
+
+
+def _triton_kernels(compiled):
+    """The kernel names of the program's Triton custom calls (op_name ".../<name>/pallas_call")."""
+    names = []
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="__gpu$xla.gpu.triton"' in line:
+            names.append(re.search(r'op_name="([^"]*)"', line).group(1).split("/")[-2])
+    return names
+
+
+@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w2-prefill", "fp8-w1-decode-layer"])
+def test_grouped_matmul_gpu_compiles_for_h100(case):
+    """Through `grouped_matmul(impl="pallas")` (the dispatcher's CUDA branch), the compiled
+    program holds the Triton kernel and nothing else touches the weight: no op but the kernel
+    has the values' shape (a copy, a slice of the layer or a dequantized stack would)."""
+    layered = case.endswith("-layer")
+    fmt, m, n, k, E = FLASH[case.removesuffix("-layer")]
+    lead = (2, E) if layered else (E,)
+    stored = _stored(fmt, lead, n, k)
+
+    def fn(x, g, v, s, *layer):
+        return grouped_matmul(x, QuantizedWeight(v, s, fmt=fmt), g, layer=layer[0] if layer else None,
+                              impl="pallas")
+
+    args = (S((m, k), BF16), S((E,), jnp.int32), *stored) + ((S((), jnp.int32),) if layered else ())
+    result = aot.compile_for("h100x1", jax.jit(fn), *args)
+    assert _triton_kernels(result.compiled) == [gmg.NAME]
+    assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]
+    values = stored[0]
+    shape = ",".join(map(str, values.shape[-3:]))  # the stack, or one layer of it
+    instructions = [line for line in result.compiled.as_text().splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", line)]
+    touching = [line for line in instructions
+                if re.search(rf"[\[,]{shape}\]", line) and " parameter(" not in line and "custom-call(" not in line]
+    assert not touching, touching
+
+
+@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill", "fp4-w2-prefill-ep", "fp8-w1-prefill-ep"])
+def test_grouped_matmul_gpu_registers(case, tmp_path):
+    """The kernel's PTX (XLA's dump of the h100x1 compile) through ptxas -v for sm_90a (the
+    CUDA 12.9 one XLA uses, first on PATH once dsv4_jax.aot is imported): no spills and no
+    stack at any tile choice (the 128 x 256 prefill tiles hold a 128-register accumulator a
+    thread), and its shared memory (XLA's thunk sequence) within Hopper's 227 KB a block."""
+    fmt, m, n, k, e = FLASH[case]
+    stored = _stored(fmt, (e,), n, k)
+    aot.compile_for("h100x1", jax.jit(lambda x, g, v, s: gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)),
+                    S((m, k), BF16), S((e,), jnp.int32), *stored,
+                    compiler_options={"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "NONE"})
+    ptx = [p for p in tmp_path.rglob("*.ptx") if f".entry {gmg.NAME}" in p.read_text()]
+    assert len(ptx) == 1, ptx
+    report = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", str(ptx[0]), "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
+    info = report[report.index(f"Compiling entry function '{gmg.NAME}'"):]
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", info), info
+    assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 255, info
+    thunks = [line for p in tmp_path.glob("*thunk_sequence.txt") for line in p.read_text().splitlines()
+              if gmg.NAME in line]
+    smem = int(re.search(r"shared_memory: (\d+) bytes", thunks[0]).group(1))
+    tl = gmg.tiles(m, e, fmt)
+    assert f"threads: [{32 * tl.num_warps}, 1, 1]" in thunks[0] and 0 < smem <= 227 * 1024, thunks[0]
