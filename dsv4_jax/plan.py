@@ -398,15 +398,28 @@ def branch_shares(cfg: ModelConfig) -> dict[int, float]:
     return {i: float(np.mean(sched.branch == i)) for i in range(len(sched.branches))}
 
 
+def expert_tokens(s: Setup, tokens: int) -> int:
+    """The tokens whose (token, expert) pairs one device's routed experts see per step of `tokens`
+    tokens per sequence: its own sequences' tokens, times the devices it gathers tokens from
+    (those of its expert axes that split the batch: moe.routed_experts_on_mesh)."""
+    ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
+    gathered = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
+    return s.batch // s.shards(sharding.BATCH) * gathered * tokens
+
+
+def chosen_share(cfg: ModelConfig, token_count: int) -> float:
+    """The share of a layer's experts that at least one of `token_count` tokens chooses, under
+    uniform routing: 1 - (1 - k/E)^G."""
+    return 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** token_count
+
+
 def expert_blocks(s: Setup, tokens: int) -> float:
     """How many blocks of rows one device's routed-expert loop runs per layer, expected under
     uniform routing (moe.routed_experts: the (token, expert) pairs of the tokens the device
     gathers, sorted into blocks of b rows of one expert, only this device's experts run)."""
     experts = s.cfg.n_routed_experts
     local = experts // s.shards(sharding.EXPERTS)
-    ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
-    gathered_from = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
-    rows = s.batch // s.shards(sharding.BATCH) * gathered_from * tokens * s.cfg.num_experts_per_tok
+    rows = expert_tokens(s, tokens) * s.cfg.num_experts_per_tok
     b = _block_size(rows, local)
     if b == 1:
         return rows * local / experts
@@ -419,15 +432,11 @@ def unchosen_expert_bytes(s: Setup, tokens: int) -> float:
     row, at most all its own: `grouped_matmul_tpu`) are expected to be chosen by no row under
     uniform routing (as `min_bytes` counts the chosen ones)."""
     cfg = s.cfg
-    w1 = s.params["layers"]["ffn"]["w1"]
     local = cfg.n_routed_experts // s.shards(sharding.EXPERTS)
-    per_expert = device_bytes(w1) / (cfg.num_layers * local)
-    ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
-    gathered = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
-    token_count = s.batch // s.shards(sharding.BATCH) * gathered * tokens
+    per_expert = device_bytes(s.params["layers"]["ffn"]["w1"]) / (cfg.num_layers * local)
+    token_count = expert_tokens(s, tokens)
     declared = min(local, token_count * cfg.num_experts_per_tok)
-    chosen = local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** token_count)
-    return max(declared - chosen, 0.0) * per_expert
+    return max(declared - local * chosen_share(cfg, token_count), 0.0) * per_expert
 
 
 # ---- the bytes a step cannot avoid --------------------------------------------------------------
@@ -458,11 +467,7 @@ def min_bytes(s: Setup, max_len: int, tokens: int) -> dict:
         keys = tuple(k.key for k in path)
         held = device_bytes(leaf)
         if keys in routed:
-            E = cfg.n_routed_experts
-            ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
-            group = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
-            chosen = 1 - (1 - cfg.num_experts_per_tok / E) ** (local_tokens * group)
-            experts += held * chosen
+            experts += held * chosen_share(cfg, expert_tokens(s, tokens))
         elif keys == ("embed",):
             weights += local_tokens * cfg.hidden_size * leaf.dtype.itemsize
         elif keys == ("tid2eid",):
