@@ -30,7 +30,7 @@ from .layer_weights import LayerSlice, own_weight, with_weight
 from .linear import dense, weight_array
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import apply_rope, cos_sin
-from .sharding import BATCH, HEADS, active, per_device
+from .sharding import BATCH, HEADS, per_device, rows_axis
 
 
 def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
@@ -77,9 +77,7 @@ def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     the layer stack (XLA turns a product of a few rows by a layer's slice into a float32 copy
     of the slice); per device on a mesh, as the heads are split. o `[B, T, G, H*Dh/G]` ->
     `[B, T, G*O]` in wo_a's dtype."""
-    mesh = active(cfg)
-    split = mesh is not None and o.shape[0] % cfg.layout.shards(BATCH, mesh) == 0
-    batch = BATCH if split else None
+    batch = rows_axis(cfg, o.shape[0])
 
     def local(o, stack, layer):
         b, t, g, d = o.shape

@@ -84,7 +84,7 @@ class LayerSlice:
     index: jnp.ndarray
 
     @property
-    def weight(self) -> QuantizedWeight:
+    def weight(self) -> QuantizedWeight | jnp.ndarray:
         return self.stack[self.index]
 
     @property

@@ -30,7 +30,7 @@ import pallas_kernels  # looked up at call time: pallas_kernels imports our prim
 from .config import ModelConfig
 from .layer_weights import LayerSlice, own_weight, with_weight
 from .quantized import FP8, QuantizedWeight
-from .sharding import BATCH, active, per_device
+from .sharding import active, per_device, rows_axis
 
 
 def weight_array(w) -> jnp.ndarray:
@@ -63,8 +63,7 @@ def _kernel(w, x: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     mesh = active(cfg)
     if mesh is not None and cfg.layout.axes(in_axis, mesh):
         return _blocked(w, x)
-    split = mesh is not None and x.shape[0] % cfg.layout.shards(BATCH, mesh) == 0
-    x_axes = (BATCH if split else None,) + (None,) * (x.ndim - 1)
+    x_axes = (rows_axis(cfg, x.shape[0]),) + (None,) * (x.ndim - 1)
     out_axes = x_axes[:-1] + (out_axis,)
     matmul = partial(pallas_kernels.quantized_matmul, impl=cfg.attention_impl)
     if stacked:

@@ -256,6 +256,13 @@ def active(cfg: ModelConfig):
     return None if mesh.empty else mesh
 
 
+def rows_axis(cfg: ModelConfig, rows: int) -> str | None:
+    """BATCH, for `rows` rows that the model's mesh can split as it splits sequences (whole rows
+    per device); None (kept whole on every device) off a mesh or when they do not divide."""
+    mesh = active(cfg)
+    return BATCH if mesh is not None and rows % cfg.layout.shards(BATCH, mesh) == 0 else None
+
+
 def per_device(cfg: ModelConfig, fn: Callable, in_axes: tuple, out_axes: tuple) -> Callable:
     """fn run once per device on its shards (`shard_map`) when the model runs on a mesh, else fn
     itself. in_axes: the logical axes of each argument (None: replicated; a pytree argument, e.g.
