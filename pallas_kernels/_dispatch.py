@@ -2,8 +2,13 @@
 
 `impl` is "pallas", "ref" or "auto". The choice of kernel is made per lowering platform with
 `jax.lax.platform_dependent`, so a function jitted once lowers to the Mosaic TPU kernel for
-"tpu", to the Mosaic GPU kernel for "cuda", and (for "pallas") to the TPU kernel run by the
-Pallas interpreter anywhere else (CPU). "auto" uses the reference on platforms without a kernel.
+"tpu", to the GPU kernel (Mosaic GPU or Pallas-Triton) for "cuda", and (for "pallas") to the
+TPU kernel run by the Pallas interpreter anywhere else (CPU). "auto" uses the reference on
+platforms without a kernel.
+
+Also what the kernels share around their calls: the layer operand of the matmuls that read one
+layer of a stack (`layer_operand`), and the GPU kernels' declared cost in their op_name
+(`declared_cost_scope`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import re
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("pallas", "ref", "auto")
 
@@ -28,6 +34,12 @@ def dispatch(impl: str, *, ref: Callable, tpu: Callable, gpu: Callable, interpre
         return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=default)
 
     return run
+
+
+def layer_operand(layer):
+    """A kernel's layer index as its int32 `[1]` operand (the scalar its index maps or loads
+    use): `layer`, or 0 for a weight that is one layer (passed as a stack of one)."""
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
 
 
 def declared_cost_scope(cost):

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from ._dispatch import declared_cost_scope
+from ._dispatch import declared_cost_scope, layer_operand
 from .quantized_matmul_gpu import L2_BYTES
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
 
@@ -272,7 +272,6 @@ def grouped_matmul_gpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     tl = tiles(m, e, fmt)
     steps = max_steps(m, e, tl.tm)
     meta = _metadata(group_sizes, m, tl.tm, steps)
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     operands = [x, values] + ([scale] if fmt is not None else [])
     kernel = functools.partial(dsv4_grouped_matmul_gpu, fmt=fmt, k=k, tiles=tl, layered=layered)
     cost = cost_estimate(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
@@ -285,4 +284,4 @@ def grouped_matmul_gpu(x, values, group_sizes, *, fmt: str | None = None, scale=
             cost_estimate=cost,
             interpret=interpret,
             name=NAME,
-        )(*meta, layer_arr, *operands)
+        )(*meta, layer_operand(layer), *operands)

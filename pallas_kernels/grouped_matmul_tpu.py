@@ -48,6 +48,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._dispatch import layer_operand
+
 LANES = 128  # the lane width, and the FP8 scale block
 FP4_BYTES = 16  # code bytes per FP4 scale (32 elements)
 ROWS = 16  # a tile of bf16 rows
@@ -330,7 +332,6 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     x = jnp.pad(x, ((0, m_tiles * tm - m), (0, kx - k)))
     steps = max_steps(m_tiles, m, e)
     meta = _metadata(group_sizes, m_tiles, tm, steps)
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     kv_block = kx // 2 if fmt == "fp4" else kx
 
     def stack_map(block, by_group=True):  # index map of a weight array: the layer first when stacked
@@ -392,5 +393,5 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
         cost_estimate=cost,
         interpret=interpret,
         name="dsv4_grouped_matmul",
-    )(*meta, layer_arr, *operands)
+    )(*meta, layer_operand(layer), *operands)
     return out[:m]

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ._dispatch import declared_cost_scope
+from ._dispatch import declared_cost_scope, layer_operand
 
 KERNEL_NAME = "dsv4_fp8_matmul_gpu"
 BLOCK = 128  # the FP8 scale block: TN and TK divide it, so that one scale covers a tile
@@ -165,4 +165,4 @@ def fp8_matmul_gpu(x, values, scale, *, layer=None, interpret: bool = False,
             cost_estimate=cost,
             interpret=interpret,
             name=KERNEL_NAME,
-        )(jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)), x, values, scale)
+        )(layer_operand(layer), x, values, scale)

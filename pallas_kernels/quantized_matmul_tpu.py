@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._dispatch import layer_operand
+
 BLOCK = 128  # the FP8 scale block, and the lane width
 ROWS = 16  # a tile of bf16 rows
 MAX_TM = 512  # rows of x per tile: a prefill chunk of up to 512 tokens reads the weight once
@@ -122,7 +124,6 @@ def fp8_matmul_tpu(x, values, scale, *, layer=None, interpret: bool = False,
         out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk, l: (i, j)),
         scratch_shapes=[pltpu.VMEM((tn, tk), x.dtype), pltpu.VMEM((tm, tn), jnp.float32)],
     )
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     return pl.pallas_call(
         functools.partial(_kernel, k_total=k, tk=tk),
         grid_spec=grid_spec,
@@ -132,4 +133,4 @@ def fp8_matmul_tpu(x, values, scale, *, layer=None, interpret: bool = False,
         cost_estimate=cost,
         interpret=interpret,
         name="dsv4_fp8_matmul",
-    )(layer_arr, x, values, scale)[:m]
+    )(layer_operand(layer), x, values, scale)[:m]
