@@ -215,8 +215,10 @@ def cost_of(compiled, platform: str) -> dict:
     return {k: float(v) for k, v in dict(cost).items()}
 
 
-# The custom calls a Pallas kernel compiles to: Mosaic TPU; Mosaic GPU and Pallas-Triton on CUDA.
-KERNEL_CUSTOM_CALLS = {"tpu": ("tpu_custom_call",), "cuda": ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")}
+# The custom calls a Pallas kernel compiles to: Mosaic TPU; Mosaic GPU and Pallas-Triton (XLA's
+# Triton call) on CUDA.
+TRITON_CALL = "__gpu$xla.gpu.triton"
+KERNEL_CUSTOM_CALLS = {"tpu": ("tpu_custom_call",), "cuda": ("mosaic_gpu", "mosaic_gpu_v2", TRITON_CALL)}
 
 
 def kernel_calls(compiled, platform: str) -> list[str]:

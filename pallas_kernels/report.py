@@ -172,7 +172,6 @@ def _mosaic_gpu_facts(dump_dir: str) -> dict:
             "arch": re.search(r"for '(sm_\w+)'", log).group(1)}
 
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
 # XLA's LLVM optimization of a Triton kernel's PTX changes its registers (e.g. 67 vs 61 for the FP8
 # matmul at decode8), so the GPU compiles state XLA's defaults: XLA_FLAGS may lower them (the test
 # suite's conftest does, for XLA:CPU's compile time) and the report shows what a default compile makes.
@@ -182,7 +181,7 @@ XLA_GPU_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expen
 def _triton_facts(compiled, kernel: str, xla_dump: str) -> dict:
     """Launch, SMEM, registers, spills and declared cost of the Pallas-Triton kernel `kernel`
     in a program XLA compiled with xla_dump_to=xla_dump."""
-    calls = [line for line in compiled.as_text().splitlines() if f'custom_call_target="{TRITON_CALL}"' in line]
+    calls = [line for line in compiled.as_text().splitlines() if f'custom_call_target="{aot.TRITON_CALL}"' in line]
     declared = DECLARED_COST.search(calls[0]) if len(calls) == 1 else None
     if declared is None:
         raise RuntimeError(f"expected one Triton call with a declared_cost_<flops>_<bytes> op_name, found {calls}")
@@ -249,7 +248,7 @@ def report(targets=TARGETS) -> list[dict]:
                     record.update(_tpu_facts(result.compiled))
                     record["xla_cost"] = {"flops": result.cost["flops"],
                                           "bytes_accessed": result.cost["bytes accessed"]}
-                elif f'custom_call_target="{TRITON_CALL}"' in result.compiled.as_text():
+                elif f'custom_call_target="{aot.TRITON_CALL}"' in result.compiled.as_text():
                     record.update(_triton_facts(result.compiled, kernels[0], xla_dump))
                 else:
                     record.update(_mosaic_gpu_facts(mosaic_dump))

@@ -196,15 +196,6 @@ def test_grouped_matmul_gpu_declared_cost(case):
     assert big.bytes_accessed == steps * gmg.stored_bytes_per_expert(big_n, big_k, "fp8", 1) + 2 * (m * big_k + m * big_n)
 
 
-def _triton_kernels(compiled):
-    """The kernel names of the program's Triton custom calls (op_name ".../<name>/pallas_call")."""
-    names = []
-    for line in compiled.as_text().splitlines():
-        if 'custom_call_target="__gpu$xla.gpu.triton"' in line:
-            names.append(re.search(r'op_name="([^"]*)"', line).group(1).split("/")[-2])
-    return names
-
-
 @pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w2-prefill", "fp8-w1-decode-layer"])
 def test_grouped_matmul_gpu_compiles_for_h100(case):
     """Through `grouped_matmul(impl="pallas")` (the dispatcher's CUDA branch), the compiled
@@ -221,8 +212,8 @@ def test_grouped_matmul_gpu_compiles_for_h100(case):
 
     args = (S((m, k), BF16), S((E,), jnp.int32), *stored) + ((S((), jnp.int32),) if layered else ())
     result = aot.compile_for("h100x1", jax.jit(fn), *args)
-    assert _triton_kernels(result.compiled) == [gmg.NAME]
-    assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]
+    assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]  # the one kernel call, and Triton's:
+    assert f'custom_call_target="{aot.TRITON_CALL}"' in result.compiled.as_text()
     values = stored[0]
     shape = ",".join(map(str, values.shape[-3:]))  # the stack, or one layer of it
     instructions = [line for line in result.compiled.as_text().splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", line)]
