@@ -26,6 +26,7 @@ _LAYER_TYPE_TO_RATIO = {
     "heavily_compressed_attention": HCA,
 }
 _RATIO_ALIASES = {0: WINDOW, 1: WINDOW, 4: CSA, 128: HCA}
+EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,15 @@ class ModelConfig:
     # How the compressor and the sparse attention run: "pallas" (the kernels; interpreted on
     # CPU), "ref" (plain JAX) or "auto" (kernels on TPU/GPU, plain JAX elsewhere).
     attention_impl: str = "auto"
+    # How expert parallelism moves tokens between devices (dsv4_jax/moe.py,
+    # `routed_experts_on_mesh`): "all_gather" (every device gathers the tokens, the outputs are
+    # reduce-scattered), "ragged_all_to_all" (each (token, expert) pair goes to the device holding
+    # its expert and back; TPU and GPU only) or "auto" (`moe.expert_exchange`'s rule).
+    expert_exchange: str = "auto"
+    # The FP8 linears' activations quantized to e4m3 per 128 columns first, as DeepSeek's
+    # reference inference does (pallas_kernels/fp8_activations.py; the FP8 tensor cores on CUDA).
+    # Off: they multiply the activations as they are by the dequantized weight.
+    fp8_activations: bool = False
     # IndexCache (index-cache.md): ratio-4 layers of rank r among ratio-4 layers reuse the last
     # computed top-k when r % index_topk_freq != 0, or where index_topk_pattern (one F/S per
     # ratio-4 layer, first F; layers past its end compute) says S. With
@@ -351,7 +361,7 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"`{name}` must be a positive number, got {v!r}")
     if not (isinstance(c.swiglu_limit, (int, float)) and c.swiglu_limit >= 0):
         raise ConfigError(f"`swiglu_limit` must be >= 0, got {c.swiglu_limit!r}")
-    for name in ("use_index_cache", "index_cache_skip_compressor"):
+    for name in ("use_index_cache", "index_cache_skip_compressor", "fp8_activations"):
         if not isinstance(getattr(c, name), bool):
             raise ConfigError(f"`{name}` must be true or false, got {getattr(c, name)!r}")
     if isinstance(c.index_topk_freq, bool) or not isinstance(c.index_topk_freq, int) or c.index_topk_freq < 1:
@@ -371,6 +381,9 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"`layout` must be a dsv4_jax.sharding.Layout or None, got {c.layout!r}")
     if c.attention_impl not in ("pallas", "ref", "auto"):
         raise ConfigError(f"`attention_impl` must be 'pallas', 'ref' or 'auto', got {c.attention_impl!r}")
+    if c.expert_exchange not in EXPERT_EXCHANGES:
+        raise ConfigError(f"`expert_exchange` must be one of {', '.join(map(repr, EXPERT_EXCHANGES))}, "
+                          f"got {c.expert_exchange!r}")
     if c.yarn is not None:
         if c.yarn.factor <= 0 or c.yarn.original_max_position_embeddings < 1:
             raise ConfigError(f"`rope_scaling` has invalid YaRN values {c.yarn}")

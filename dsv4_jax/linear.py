@@ -15,6 +15,12 @@ another order). Where it runs depends on the platform the program is lowered for
   (`QuantizedWeight.matmul`: XLA fuses the dequantization into the product instead of writing
   the weight out);
 * CPU: the whole dequantized weight (bit for bit a dequantized checkpoint's products and sums).
+
+With `ModelConfig.fp8_activations` an FP8 weight's input is quantized to e4m3 per 128 columns
+first and the products are DeepSeek's reference `fp8_gemm`'s (`pallas_kernels.fp8_activation_matmul`:
+the FP8 tensor-core kernel on CUDA, its plain-JAX twin elsewhere), on every platform, per
+device on a mesh (a row-parallel weight's partial products summed over the devices that split
+its input: the quantization blocks of 128 columns stay whole on a device).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax.numpy as jnp
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
 from .config import ModelConfig
-from .layer_weights import LayerSlice, own_weight, with_weight
+from .layer_weights import LayerSlice, LayerWeight, own_weight, with_weight
 from .quantized import FP8, QuantizedWeight
 from .sharding import active, per_device, rows_axis
 
@@ -43,10 +49,20 @@ def dense(x: jnp.ndarray, w, cfg: ModelConfig | None = None) -> jnp.ndarray:
     `[..., out]` in w's dtype. cfg, the model's, lets a quantized weight take the matmul kernel
     on TPU (its `attention_impl` choice, per device on its mesh); code already running per
     device passes none."""
+    if cfg is not None and cfg.fp8_activations and _fp8(w):
+        fp8_activations = partial(_kernel, cfg=cfg, matmul=pallas_kernels.fp8_activation_matmul)
+        return w.apply(fp8_activations, x) if isinstance(w, LayerWeight) else fp8_activations(w, x)
     if isinstance(w, (QuantizedWeight, LayerSlice)) and w.blocked():
-        kernel = partial(_kernel, cfg=cfg) if cfg is not None and w.fmt == FP8 else _blocked
+        kernel = (partial(_kernel, cfg=cfg, matmul=pallas_kernels.quantized_matmul)
+                  if cfg is not None and w.fmt == FP8 else _blocked)
         return jax.lax.platform_dependent(w, x, cpu=_dense_whole, tpu=kernel, cuda=kernel, default=_blocked)
     return with_weight(_dense_whole, w, x)
+
+
+def _fp8(w) -> bool:
+    """Whether w (any form `dense` takes) is an FP8 QuantizedWeight."""
+    w = w.parts[0] if isinstance(w, LayerWeight) else w.stack if isinstance(w, LayerSlice) else w
+    return isinstance(w, QuantizedWeight) and w.fmt == FP8
 
 
 def _blocked(w, x: jnp.ndarray) -> jnp.ndarray:
@@ -54,22 +70,31 @@ def _blocked(w, x: jnp.ndarray) -> jnp.ndarray:
     return w.matmul(x.astype(w.dtype)).astype(w.dtype)
 
 
-def _kernel(w, x: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """`pallas_kernels.quantized_matmul`, per device on a mesh (see the module doc); a LayerSlice
-    read in place in its stack."""
+def _kernel(w, x: jnp.ndarray, cfg: ModelConfig, matmul) -> jnp.ndarray:
+    """`matmul` (`pallas_kernels.quantized_matmul` or `fp8_activation_matmul`), per device on a
+    mesh (see the module doc); a LayerSlice read in place in its stack."""
     stacked = isinstance(w, LayerSlice)
     q = w.stack if stacked else w
     out_axis, in_axis = q.axes
     mesh = active(cfg)
-    if mesh is not None and cfg.layout.axes(in_axis, mesh):
+    summed = cfg.layout.axes(in_axis, mesh) if mesh is not None else ()
+    if summed and matmul is pallas_kernels.quantized_matmul:
         return _blocked(w, x)
-    x_axes = (rows_axis(cfg, x.shape[0]),) + (None,) * (x.ndim - 1)
+    x_axes = (rows_axis(cfg, x.shape[0]),) + (None,) * (x.ndim - 2) + (in_axis,)
     out_axes = x_axes[:-1] + (out_axis,)
-    matmul = partial(pallas_kernels.quantized_matmul, impl=cfg.attention_impl)
+    multiply = partial(matmul, impl=cfg.attention_impl)
+    if summed:
+        multiply = partial(_summed, multiply, summed)
     if stacked:
-        run = per_device(cfg, lambda x, q, i: matmul(x, q, layer=i), (x_axes, (None,) + q.axes, None), out_axes)
+        run = per_device(cfg, lambda x, q, i: multiply(x, q, layer=i), (x_axes, (None,) + q.axes, None), out_axes)
         return run(x.astype(q.dtype), q, w.index)
-    return per_device(cfg, matmul, (x_axes, q.axes), out_axes)(x.astype(q.dtype), q)
+    return per_device(cfg, multiply, (x_axes, q.axes), out_axes)(x.astype(q.dtype), q)
+
+
+def _summed(matmul, axes, x, w, **kw):
+    """matmul's partial product over this device's share of the input dim, summed over `axes`
+    in fp32 and rounded once."""
+    return jax.lax.psum(matmul(x, w, **kw).astype(jnp.float32), axes).astype(x.dtype)
 
 
 def _dense_whole(w, x: jnp.ndarray) -> jnp.ndarray:

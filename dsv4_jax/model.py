@@ -380,7 +380,7 @@ def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarr
     return step(params, cache, input_ids, cfg)[0]
 
 
-RUNTIME_OPTIONS = ("attention_impl", "use_index_cache", "index_topk_freq", "index_topk_pattern",
+RUNTIME_OPTIONS = ("attention_impl", "expert_exchange", "fp8_activations", "use_index_cache", "index_topk_freq", "index_topk_pattern",
                    "index_cache_skip_compressor")
 
 

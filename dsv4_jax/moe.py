@@ -4,8 +4,12 @@ shared expert."""
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+from jax.lax import ragged_all_to_all  # a name here, so that a test can run the exchange on CPU with a twin
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
@@ -102,13 +106,21 @@ def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
 
 
 def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
-    """`routed_experts` by grouped products: the pairs' rows sorted by expert, each group's rows
-    multiplied by its expert's stored weights, read once per chosen expert (none for an expert no
-    row chose); products in the weights' compute dtype as `expert` computes them."""
+    """`routed_experts` by grouped products (`_pair_outputs`), each token's pairs summed in fp32."""
     T, k = experts.shape
+    y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert)
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
+
+
+def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert):
+    """The output of each (token, expert) pair of x `[T, D]` and experts `[T, k]`: the pairs' rows
+    sorted by expert, each group's rows multiplied by its expert's stored weights, read once per
+    chosen expert (none for an expert no row chose); products in the weights' compute dtype as
+    `expert` computes them. Returns (y `[T k, D]` in w2's dtype, in expert order; order `[T k]`,
+    the flattened pair of each row of y). The pairs of another device's experts sort past every
+    group, where the kernel's rows are 0 (so are their h and y)."""
     E = w1.shape[0] if layer is None else w1.shape[1]
     order, _, group_sizes = _sorted_pairs(experts, E, first_expert)
-    token = order // k
     hw = weights.reshape(-1)[order][:, None]
 
     def gmm(rows, w):
@@ -117,12 +129,9 @@ def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp
         with jax.named_scope(ROUTED_SCOPE):
             return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
 
-    # The pairs of another device's experts sort past every group, where the kernel's rows are 0
-    # (so are their h and y).
-    xs = x[token]
+    xs = x[order // experts.shape[1]]
     h = swiglu(gmm(xs, w1), gmm(xs, w3), limit) * hw
-    y = gmm(h.astype(w2.dtype), w2)
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32))
+    return gmm(h.astype(w2.dtype), w2), order
 
 
 def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
@@ -178,33 +187,126 @@ def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> j
     return out[:T]
 
 
+# The rows a device takes per round of the ragged exchange, as a multiple of the T k pairs it
+# sends (on average, when each pair's expert is on any device alike, it receives as many): a
+# buffer for the most it could receive (n T k rows) would make its expert work n times what it
+# runs on average; a round more runs when one device receives more than this.
+EXCHANGE_CAPACITY = 2
+
+
+def exchange_rows(tokens: int, k: int, devices: int) -> int:
+    """The rows a device receives per round of the ragged exchange (its receive buffer, the rows
+    its experts' grouped products take), for `tokens` tokens per device, top-k, over `devices`."""
+    return max(1, math.ceil(min(EXCHANGE_CAPACITY, devices) * tokens * k))
+
+
+def expert_exchange(cfg, mesh) -> str:
+    """How `routed_experts_on_mesh` moves tokens on `mesh` (the model's layout, on TPU and GPU:
+    CPU always gathers, XLA:CPU has no ragged all-to-all): cfg.expert_exchange unless "auto".
+
+    "auto" takes "ragged_all_to_all" when the layout allows it (every axis that splits the
+    experts splits the tokens, and none that splits an expert's width does) and the experts are
+    split over more than EXCHANGE_CAPACITY devices: its round's buffer (EXCHANGE_CAPACITY T k
+    rows) is then smaller than the all-gather's n T k, which every per-pair op of the experts
+    reads and writes. (The bytes sent favour it from fewer devices on: T k (n - 1) / n rows each
+    way in bf16 against (n - 1) T rows gathered and reduce-scattered in fp32.)"""
+    from .sharding import BATCH, EXPERT_MLP, EXPERTS
+
+    layout = cfg.layout
+    ep, mlp, batch = (layout.axes(a, mesh) for a in (EXPERTS, EXPERT_MLP, BATCH))
+    possible = bool(ep) and set(ep) <= set(batch) and not set(mlp) & set(batch)
+    if cfg.expert_exchange == "ragged_all_to_all":
+        if not possible:
+            raise ValueError(f"expert_exchange 'ragged_all_to_all' needs every mesh axis that splits the experts "
+                             f"({list(ep)}) to split the tokens ({list(batch)}) and none that splits an expert's "
+                             f"width ({list(mlp)}) to: layout {layout.name!r} on mesh {dict(mesh.shape)} does not")
+        return "ragged_all_to_all"
+    if cfg.expert_exchange == "all_gather" or not possible:
+        return "all_gather"
+    return "ragged_all_to_all" if layout.shards(EXPERTS, mesh) > EXCHANGE_CAPACITY else "all_gather"
+
+
 def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
                            layer, cfg) -> jnp.ndarray:
     """`routed_experts` with the stacks `[L, E, ...]` split over devices (dsv4_jax/sharding.py),
-    run per device: every device gathers the tokens of the devices that share its `experts` /
-    `expert_mlp` axes (an all-gather of x `[T, D]` and of the routing), runs the pairs that chose
-    its own experts on its slice of their width, and the partial outputs are summed back onto the
-    tokens' own devices (a reduce-scatter; a psum over axes that do not split the tokens)."""
+    run per device, the tokens exchanged as `expert_exchange` chooses: by all-gather (`_gathered`)
+    or, on TPU and GPU, by ragged all-to-all (`_exchanged`). The partial outputs of the devices
+    that split an expert's width (and not the tokens) are summed by a psum."""
     from .sharding import BATCH, EXPERT_MLP, EXPERTS, active, per_device
 
     mesh, layout = active(cfg), cfg.layout
     ep, mlp, batch = (layout.axes(a, mesh) for a in (EXPERTS, EXPERT_MLP, BATCH))
-    gather = tuple(a for a in batch if a in ep + mlp)  # in the order the tokens are split
     summed = tuple(a for a in ep + mlp if a not in batch)
+    gathered = partial(_gathered, limit=limit, ep=ep, gather=tuple(a for a in batch if a in ep + mlp))
 
-    def local(x, experts, weights, w1, w2, w3, layer):
-        if gather:
-            x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
-        first = jax.lax.axis_index(ep) * w1.shape[1] if ep else 0
-        y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first)
-        if gather:
-            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+    def local(*args):
+        if expert_exchange(cfg, mesh) == "ragged_all_to_all":
+            exchanged = partial(_exchanged, limit=limit, ep=ep)
+            y = jax.lax.platform_dependent(*args, tpu=exchanged, cuda=exchanged, default=gathered)
+        else:
+            y = gathered(*args)
         return jax.lax.psum(y, summed) if summed else y
 
     up, down = (None, EXPERTS, EXPERT_MLP, None), (None, EXPERTS, None, EXPERT_MLP)
     rows = (BATCH, None)
     run = per_device(cfg, local, (rows, rows, rows, up, down, up, None), rows)
     return run(x, experts, weights, w1, w2, w3, layer)
+
+
+def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather) -> jnp.ndarray:
+    """Per device: gathers the tokens (x `[T, D]` and their routing) of the devices on the
+    `gather` axes, runs the pairs that chose its own experts (the stacks' local share, on its
+    slice of their width) and reduce-scatters the fp32 outputs back to the tokens' devices."""
+    if gather:
+        x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
+    first = jax.lax.axis_index(ep) * w1.shape[1] if ep else 0
+    y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first)
+    return jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True) if gather else y
+
+
+def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep) -> jnp.ndarray:
+    """Per device: sends each of its (token, expert) pairs (the token's row of x `[T, D]`, the
+    expert id and routing weight) to the device on the `ep` axes that holds the expert, runs the
+    pairs it receives (`_pair_outputs`, one row per pair) and sends each pair's output back, where the
+    pairs of a token are summed in fp32: fp32 `[T, D]`.
+
+    In rounds of at most C = EXCHANGE_CAPACITY T k received rows per device (static shapes): the
+    rows every device sends device d are d's stream (senders in order), and round r moves its
+    rows r C .. (r + 1) C - 1; every device knows every stream's length (an all-gather of the
+    counts), so all run the same number of rounds, ceil(longest stream / C). Buffer rows no one
+    sent keep expert id -1, which sorts them past every group (the kernel reads nothing for them)."""
+    T, k = experts.shape
+    local_experts = w1.shape[1]
+    n = math.prod(jax.lax.axis_size(a) for a in ep)
+    me = jax.lax.axis_index(ep)
+    capacity = exchange_rows(T, k, n)
+    flat_e = experts.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # by expert, so by the device that holds it
+    send_sizes = jnp.zeros((n,), jnp.int32).at[flat_e // local_experts].add(1)
+    sizes = jax.lax.all_gather(send_sizes, ep, axis=0, tiled=False)  # [sender, receiver]
+    in_stream = jnp.cumsum(sizes, axis=0) - sizes  # where a sender's rows start in a receiver's stream
+    in_sent = jnp.cumsum(sizes, axis=1) - sizes  # where a receiver's rows start in a sender's sorted pairs
+    rounds = -(-jnp.max(jnp.sum(sizes, axis=0)) // capacity)
+    xs, es, hw = x[order // k].astype(w1.dtype), flat_e[order], weights.reshape(-1)[order]
+
+    def one_round(r, back):
+        lo = jnp.clip(r * capacity - in_stream, 0, sizes)  # [sender, receiver]: this round's rows
+        count = jnp.clip((r + 1) * capacity - in_stream, 0, sizes) - lo
+        sent_at, buffer_at = in_sent + lo, in_stream + lo - r * capacity
+
+        def there(rows, fill):  # this round's share of this device's sorted pairs to their devices
+            out = jnp.full((capacity,) + rows.shape[1:], fill, rows.dtype)
+            return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], count[:, me], axis_name=ep)
+
+        y, by_expert = _pair_outputs(there(xs, 0), there(es, -1)[:, None], there(hw, 0)[:, None], w1, w2, w3,
+                                     limit, layer, me * local_experts)
+        # each pair's output back where it was sent from, in the order it came (a gather by the
+        # inverse of the expert order)
+        y = y[jnp.argsort(by_expert)]
+        return ragged_all_to_all(y, back, buffer_at[:, me], count[:, me], sent_at[:, me], count[me], axis_name=ep)
+
+    back = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((T * k, x.shape[1]), w2.dtype))
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(back.astype(jnp.float32))
 
 
 def _each_pair(x, pair_expert, pair_row, pair_weight, w, ffn) -> jnp.ndarray:

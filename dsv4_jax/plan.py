@@ -2,6 +2,7 @@
 
     dsv4-plan flash --target v5p-8 [--layout dp_attention] [--mesh expert=4] [--batch 4]
               [--max-len 8192] [--prefill-chunk 512] [--weight-dtype native|bfloat16]
+              [--expert-exchange auto|all_gather|ragged_all_to_all]
     python -m dsv4_jax.plan pro --target h200x8 ...
 
 The model is `flash` or `pro` (dsv4_jax/presets.py) or a path to a config.json. The decode step
@@ -24,10 +25,11 @@ The JSON it prints (one object):
                with every loop counted as many times as it runs (`program_cost`), min_bytes (what
                the step cannot avoid reading, `min_bytes`), their ratio, roofline_ms (the larger
                of bytes_accessed / HBM bandwidth and flops / peak bf16 flops), tokens_per_s for
-               the whole batch, and the same at min_bytes
+               the whole batch, and the same at min_bytes; collective_bytes: what a device sends
+               in the program's collectives (`_Module.collective_bytes`)
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
                found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
-The layout, mesh, batch and lengths are echoed; README.md ("Planning real hardware") has runs.
+The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), batch and lengths are echoed; README.md ("Planning real hardware") has runs.
 Bad input exits 1 with one line on stderr.
 """
 
@@ -51,9 +53,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from . import sharding  # noqa: E402
 from .cache import cache_spec  # noqa: E402
-from .config import CSA, HCA, ConfigError, ModelConfig  # noqa: E402
+from .config import CSA, EXPERT_EXCHANGES, HCA, ConfigError, ModelConfig  # noqa: E402
 from .model import step  # noqa: E402
-from .moe import ROUTED_SCOPE, _block_size  # noqa: E402
+from .moe import ROUTED_SCOPE, exchange_rows, expert_exchange as expert_exchange_of  # noqa: E402
 from .params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from .presets import PRESETS, preset  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
@@ -140,7 +142,7 @@ class Setup:
 
 
 def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int] | None, batch: int | None,
-          weight_dtype: str) -> Setup:
+          weight_dtype: str, expert_exchange: str = "auto") -> Setup:
     """Checks the input and builds the Setup (PlanError names the first problem). batch None:
     one sequence per piece the layout splits sequences into."""
     cfg = model_config(model)
@@ -164,7 +166,12 @@ def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int]
     if batch < 1 or batch % rows:
         raise PlanError(f"--batch {batch} must be a positive multiple of {rows}, the pieces layout {lay.name!r} "
                         f"splits sequences into on mesh {axes}")
-    return Setup(target, cfg.replace(attention_impl="pallas", layout=lay), mesh, batch, weight_dtype)
+    try:
+        cfg = cfg.replace(attention_impl="pallas", layout=lay, expert_exchange=expert_exchange)
+        expert_exchange_of(cfg, mesh)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return Setup(target, cfg, mesh, batch, weight_dtype)
 
 
 # ---- compiling ---------------------------------------------------------------------------------
@@ -195,7 +202,7 @@ def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             return Compiled(None, None, str(e).strip().splitlines()[0][:300])
         raise
-    return Compiled(result.memory, program_cost(result.compiled.as_text(), expert_blocks(s, tokens),
+    return Compiled(result.memory, program_cost(result.compiled.as_text(), EXCHANGE_ROUNDS,
                                                 branch_shares(s.cfg), aot.target(s.target).platform,
                                                 unchosen_expert_bytes(s, tokens)))
 
@@ -218,6 +225,7 @@ _TRUE_FALSE = re.compile(r"true_computation=%([\w.\-]+), false_computation=%([\w
 _CALL = re.compile(r" call\(.*to_apply=%([\w.\-]+)")
 _CALLS = re.compile(r"(?:calls|to_apply)=%([\w.\-]+)")
 _NAME = re.compile(r"%([\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*)$")
 _INT_CONSTANT = re.compile(r"s32\[\]\S* constant\((\d+)\)")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _DECLARED = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
@@ -227,6 +235,34 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 ATTENTION_KERNEL = "dsv4_sparse_attention"
 GROUPED_KERNEL = "dsv4_grouped_matmul"
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
+
+
+# bytes one device sends per operand byte, by the collective's opcode (synchronous or -start) and
+# its group size n (`_Module.collective_bytes`)
+_COLLECTIVES = {}
+for _op, _share in (("all-gather", lambda n: n - 1), ("reduce-scatter", lambda n: (n - 1) / n),
+                    ("all-to-all", lambda n: (n - 1) / n), ("all-reduce", lambda n: 2 * (n - 1) / n),
+                    ("collective-permute", lambda n: 1.0), ("ragged-all-to-all", lambda n: (n - 1) / n)):
+    _COLLECTIVES[_op] = _COLLECTIVES[_op + "-start"] = _share
+_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[[\d,]*?(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def _group_size(line: str) -> int:
+    """How many devices a collective's groups hold: its replica_groups listed ({{0,1,2,3},...}),
+    as an iota ([groups,size]<=[n]) or as mesh axes (mesh['axis_0'=8] {'axis_0'})."""
+    m = _GROUPS_LISTED.search(line)
+    if m:
+        return len(m.group(1).split(","))
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return int(m.group(1))
+    m = _GROUPS_MESH.search(line)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    raise ValueError(f"a collective without replica groups dsv4-plan can read: {line.strip()[:200]}")
 
 
 def _shape_bytes(text: str) -> int:
@@ -257,8 +293,9 @@ class _Module:
 
     @functools.cache
     def xla(self, comp: str) -> np.ndarray:
-        """[flops, bytes accessed] of computation `comp` by XLA's HloCostAnalysis, which counts a
-        while loop's body once and a conditional's costliest branch."""
+        """[flops, bytes accessed, collective bytes] of computation `comp`: the first two by XLA's
+        HloCostAnalysis, which counts a while loop's body once and a conditional's costliest
+        branch, the third (`collective_bytes`) counted the same way."""
         from jax._src.lib import _jax  # the HLO cost analysis has no public entry point
         from jaxlib import _hlo
 
@@ -269,7 +306,49 @@ class _Module:
         # (the text's stack frame ids point into a table the text does not carry)
         module = _hlo.hlo_module_from_text(re.sub(r" stack_frame_id=\d+", "", "\n\n".join(parts)))
         cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
-        return np.array([max(float(cost.get("flops", 0)), 0.0), max(float(cost.get("bytes accessed", 0)), 0.0)])
+        return np.array([max(float(cost.get("flops", 0)), 0.0), max(float(cost.get("bytes accessed", 0)), 0.0),
+                         self.collective_bytes(comp)])
+
+    @functools.cache
+    def shapes(self, comp: str) -> dict[str, int]:
+        """The bytes of each instruction's result in computation `comp`, by name."""
+        out = {}
+        for line in self.comps[comp][1:]:
+            m = _INSTRUCTION.match(line)
+            if m:
+                out[m.group(1)] = _shape_bytes(m.group(2))
+        return out
+
+    @functools.cache
+    def collective_bytes(self, comp: str) -> float:
+        """The bytes one device sends in the collectives of computation `comp` (and of those it
+        calls, a while body once and a conditional's largest branch, as `xla` counts): with n
+        devices in a group and b the bytes of the operands, an all-gather sends (n - 1) b, a
+        reduce-scatter and an all-to-all (n - 1) / n b, an all-reduce 2 (n - 1) / n b, a
+        collective-permute b, and a ragged all-to-all (n - 1) / n of the smaller of its operand and
+        its output buffer (its actual sizes are data: when each row goes to any device alike, a
+        device receives as many rows as it sends, (n - 1) / n of them from other devices, and a
+        buffer sized for the most it could receive is mostly not sent)."""
+        total = 0.0
+        for line in self.comps[comp][1:]:
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) in _COLLECTIVES:
+                operands = [self.shapes(comp).get(o, 0) for o in _NAME.findall(m.group(4).split(")")[0])]
+                # a ragged all-to-all's operands: the rows to send, the output buffer, the sizes
+                b = min(operands[:2]) if m.group(3).startswith("ragged") else sum(operands)
+                permute = m.group(3).startswith("collective-permute")  # (pairs, not groups)
+                total += _COLLECTIVES[m.group(3)](1 if permute else _group_size(line)) * b
+                continue
+            b = _BRANCHES.search(line) or _TRUE_FALSE.search(line)
+            if b and " conditional(" in line:
+                names = ([x.strip().lstrip("%") for x in b.group(1).split(",")] if b.re is _BRANCHES
+                         else list(b.groups()))
+                total += max(self.collective_bytes(n) for n in names)
+                continue
+            w = _WHILE.search(line)
+            called = [w.group(2)] if w and " while(" in line else _CALLS.findall(line)
+            total += sum(self.collective_bytes(c) for c in called if c in self.comps)
+        return total
 
     def reaches(self, comp: str, needle: str) -> bool:
         """Whether computation `comp`, or any computation it names (fusions, loops, branches,
@@ -300,9 +379,6 @@ class _Module:
         return consts.pop() if len(consts) == 1 else None
 
 
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*)$")
-
-
 def _scatter_overcount(mod: "_Module", line: str) -> float:
     """For a GPU fusion whose root is an in-place scatter: the bytes XLA's HloCostAnalysis counts
     beyond the updates (it counts the whole scattered operand read and written: a cache stack of
@@ -329,7 +405,7 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     """Flops and bytes accessed per device of a compiled program (its optimized HLO `text`), by
     XLA's HloCostAnalysis of each computation, combined so that every loop counts as often as
     it runs: a while body times its trip count (`dynamic_trips`, the caller's expectation, for a
-    loop whose bound is data: the routed experts' blocks); the layer switch (the conditional
+    loop whose bound is data: the rounds of the routed experts' ragged exchange); the layer switch (the conditional
     whose every branch calls the sparse-attention kernel) weights each branch by the share of
     layers that take it (`layer_weights`: branch index -> share, from `branch_shares`); any
     other conditional counts its costliest branch, as XLA does. A Mosaic kernel (a custom call,
@@ -340,9 +416,10 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     bytes of as many experts as could be chosen; `unchosen_bytes`, the caller's expectation of
     those no row chooses (`unchosen_expert_bytes`), comes off each such call. On GPU an in-place
     scatter fusion (the cache writes) counts its updates, not its whole operand
-    (`_scatter_overcount`).
-    Returns {"flops", "bytes_accessed", "xla_flops", "xla_bytes_accessed" (XLA's own figures,
-    loops counted once), "loops": [{"trips", "assumed"}...]}."""
+    (`_scatter_overcount`). Collectives count the bytes a device sends in them
+    (`_Module.collective_bytes`), loops and branches as above.
+    Returns {"flops", "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
+    (XLA's own figures, loops counted once), "loops": [{"trips", "assumed"}...]}."""
     mod = _Module(text)
     loops = []
 
@@ -353,7 +430,7 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
             if "custom-call(" in line and any(t in line for t in KERNEL_CALLS):
                 declared = _DECLARED.search(line) or DECLARED_COST.search(line)
                 if declared:
-                    out += [float(declared.group(1)), float(declared.group(2))]
+                    out += [float(declared.group(1)), float(declared.group(2)), 0.0]
                     if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
                         out[1] -= unchosen_bytes
                 else:
@@ -384,10 +461,10 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                 out[1] -= _scatter_overcount(mod, line)
         return out
 
-    flops, nbytes = total(mod.entry)
-    xla_flops, xla_bytes = mod.xla(mod.entry)
-    return {"flops": float(flops), "bytes_accessed": float(nbytes), "xla_flops": float(xla_flops),
-            "xla_bytes_accessed": float(xla_bytes), "loops": loops}
+    flops, nbytes, collective = total(mod.entry)
+    xla_flops, xla_bytes, _ = mod.xla(mod.entry)
+    return {"flops": float(flops), "bytes_accessed": float(nbytes), "collective_bytes": float(collective),
+            "xla_flops": float(xla_flops), "xla_bytes_accessed": float(xla_bytes), "loops": loops}
 
 
 def branch_shares(cfg: ModelConfig) -> dict[int, float]:
@@ -400,8 +477,9 @@ def branch_shares(cfg: ModelConfig) -> dict[int, float]:
 
 def expert_tokens(s: Setup, tokens: int) -> int:
     """The tokens whose (token, expert) pairs one device's routed experts see per step of `tokens`
-    tokens per sequence: its own sequences' tokens, times the devices it gathers tokens from
-    (those of its expert axes that split the batch: moe.routed_experts_on_mesh)."""
+    tokens per sequence: its own sequences' tokens, times the devices it exchanges tokens with
+    (those of its expert axes that split the batch: moe.routed_experts_on_mesh; the ragged
+    all-to-all sends it pairs from the same devices the all-gather gathers from)."""
     ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
     gathered = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
     return s.batch // s.shards(sharding.BATCH) * gathered * tokens
@@ -413,29 +491,26 @@ def chosen_share(cfg: ModelConfig, token_count: int) -> float:
     return 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** token_count
 
 
-def expert_blocks(s: Setup, tokens: int) -> float:
-    """How many blocks of rows one device's routed-expert loop runs per layer, expected under
-    uniform routing (moe.routed_experts: the (token, expert) pairs of the tokens the device
-    gathers, sorted into blocks of b rows of one expert, only this device's experts run)."""
-    experts = s.cfg.n_routed_experts
-    local = experts // s.shards(sharding.EXPERTS)
-    rows = expert_tokens(s, tokens) * s.cfg.num_experts_per_tok
-    b = _block_size(rows, local)
-    if b == 1:
-        return rows * local / experts
-    return local * math.ceil(rows / experts / b)
+# The rounds the routed experts' ragged exchange is expected to run per layer (moe._exchanged):
+# one, since a round holds EXCHANGE_CAPACITY times the rows a device receives on average.
+EXCHANGE_ROUNDS = 1.0
 
 
 def unchosen_expert_bytes(s: Setup, tokens: int) -> float:
     """The stored bytes of one expert weight (w1, w2 or w3: equal sizes) of one layer, held by a
     device, times how many of the experts its grouped-matmul kernel declares as read (one per
-    row, at most all its own: `grouped_matmul_tpu`) are expected to be chosen by no row under
+    row, at most all its own: `grouped_matmul_tpu`; its rows: the pairs of every token it
+    gathers, or a round's buffer of the ragged exchange) are expected to be chosen by no row under
     uniform routing (as `min_bytes` counts the chosen ones)."""
     cfg = s.cfg
     local = cfg.n_routed_experts // s.shards(sharding.EXPERTS)
     per_expert = device_bytes(s.params["layers"]["ffn"]["w1"]) / (cfg.num_layers * local)
     token_count = expert_tokens(s, tokens)
-    declared = min(local, token_count * cfg.num_experts_per_tok)
+    rows = token_count * cfg.num_experts_per_tok
+    if expert_exchange_of(s.cfg, s.mesh) == "ragged_all_to_all":
+        rows = exchange_rows(s.batch // s.shards(sharding.BATCH) * tokens, cfg.num_experts_per_tok,
+                             s.shards(sharding.EXPERTS))
+    declared = min(local, rows)
     return max(declared - local * chosen_share(cfg, token_count), 0.0) * per_expert
 
 
@@ -499,6 +574,7 @@ def _step_figures(s: Setup, c: Compiled, need: dict, tokens_per_step: int) -> di
     ms, tps = roofline(c.cost["bytes_accessed"])
     ms_min, tps_min = roofline(need["total"])
     out.update(flops=c.cost["flops"], bytes_accessed=c.cost["bytes_accessed"],
+               collective_bytes=c.cost["collective_bytes"],
                bytes_ratio=c.cost["bytes_accessed"] / need["total"], roofline_ms=ms, tokens_per_s=tps,
                bound="memory" if c.cost["bytes_accessed"] / dev.hbm_bandwidth >= c.cost["flops"] / dev.peak_bf16_flops
                else "compute",
@@ -511,7 +587,7 @@ def _step_figures(s: Setup, c: Compiled, need: dict, tokens_per_step: int) -> di
 def _loop_summary(loops: list[dict]) -> list[str]:
     counts: dict[str, int] = {}
     for lp in loops:
-        key = f"{lp['trips']:g} trips" + (" (assumed: routed-expert blocks)" if lp["assumed"] else "")
+        key = f"{lp['trips']:g} trips" + (" (assumed: expert exchange rounds)" if lp["assumed"] else "")
         counts[key] = counts.get(key, 0) + 1
     return [f"{n} x {k}" for k, n in counts.items()]
 
@@ -609,21 +685,22 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
 
 def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str, int] | None = None,
          batch: int | None = None, max_len: int = 8192, prefill_chunk: int = 512, weight_dtype: str = "native",
-         search_context: bool = True) -> dict:
+         search_context: bool = True, expert_exchange: str = "auto") -> dict:
     """The plan's JSON object (see the module doc). batch None: one sequence per piece the layout
     splits sequences into."""
     if max_len < 1 or prefill_chunk < 1:
         raise PlanError(f"--max-len ({max_len}) and --prefill-chunk ({prefill_chunk}) must be positive")
     if prefill_chunk > max_len:
         raise PlanError(f"--prefill-chunk {prefill_chunk} exceeds --max-len {max_len}")
-    s = setup(model, target, layout, mesh_axes, batch, weight_dtype)
+    s = setup(model, target, layout, mesh_axes, batch, weight_dtype, expert_exchange)
     decode = compile_step(s, max_len, 1)
     prefill = compile_step(s, max_len, prefill_chunk)
     rows = s.batch
     dev = aot.target(target).spec
     out = {
         "model": model, "target": target, "device": dataclasses.asdict(dev),
-        "mesh": dict(s.mesh.shape), "layout": s.layout.name, "batch": s.batch,
+        "mesh": dict(s.mesh.shape), "layout": s.layout.name,
+        "expert_exchange": expert_exchange_of(s.cfg, s.mesh), "batch": s.batch,
         "batch_per_device": s.batch // s.shards(sharding.BATCH), "max_len": max_len,
         "prefill_chunk": prefill_chunk, "weight_dtype": weight_dtype,
         "per_device": memory_plan(s, max_len, decode, prefill),
@@ -660,6 +737,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="tokens per sequence in the prefill "
                                                                   "chunk compiled (default 512)")
     ap.add_argument("--weight-dtype", default="native", help="native (FP8/FP4 as stored; default) or bfloat16")
+    ap.add_argument("--expert-exchange", choices=EXPERT_EXCHANGES, default="auto",
+                    help="how expert parallelism moves tokens (default auto: moe.expert_exchange's rule)")
     ap.add_argument("--no-max-context", action="store_true", help="skip the max_context search (fewer compiles)")
     return ap
 
@@ -669,7 +748,8 @@ def main(argv=None) -> int:
         args = _parser().parse_args(argv)
         mesh_axes = sharding.parse_mesh(args.mesh) if args.mesh else None
         out = plan(args.model, args.target, args.layout, mesh_axes, args.batch, args.max_len, args.prefill_chunk,
-                   args.weight_dtype, search_context=not args.no_max_context)
+                   args.weight_dtype, search_context=not args.no_max_context,
+                   expert_exchange=args.expert_exchange)
     except (PlanError, ValueError) as e:
         print(f"dsv4-plan: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1

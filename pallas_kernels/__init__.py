@@ -1,9 +1,12 @@
 """The hot spots of DeepSeek-V4 (sparse attention, the KV compressor, matmuls by the published
-FP8 weights): Pallas kernels with a choice of implementation (`impl`: "pallas", "ref", "auto"),
-and their plain-JAX references (`*_ref`)."""
+FP8/FP4 weights, with the activations as they are or quantized to FP8 as the reference does):
+Pallas kernels with a choice of implementation (`impl`: "pallas", "ref", "auto"), and their
+plain-JAX references (`*_ref`)."""
 
 from .compressor import compress
 from .compressor_ref import compress_ref
+from .fp8_activations import act_quant, fp8_activation_matmul
+from .fp8_activations_ref import fp8_activation_matmul_ref
 from .grouped_matmul import grouped_matmul
 from .grouped_matmul_ref import grouped_matmul_ref
 from .quantized_matmul import quantized_matmul
@@ -11,8 +14,9 @@ from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["compress", "compress_ref", "grouped_matmul", "grouped_matmul_ref", "quantized_matmul",
-           "quantized_matmul_ref", "sparse_attention", "sparse_attention_ref"]
+__all__ = ["act_quant", "compress", "compress_ref", "fp8_activation_matmul", "fp8_activation_matmul_ref",
+           "grouped_matmul", "grouped_matmul_ref", "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
+           "sparse_attention_ref"]
 
 
 def sparse_attention_mgpu_status() -> bool:

@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from ._dispatch import dispatch
+from .grouped_matmul import grouped_matmul
 from .quantized_matmul_gpu import fp8_matmul_gpu
 from .quantized_matmul_ref import quantized_matmul_ref
 from .quantized_matmul_tpu import fp8_matmul_tpu
@@ -17,8 +20,9 @@ def quantized_matmul(x, w, *, layer=None, impl: str = "auto"):
     of which the kernels read layer `layer` in place (sliced out first, it would be copied).
     impl: "ref" (dequantize, then multiply), "pallas" (the Mosaic TPU kernel on TPU, the
     Pallas-Triton kernel on CUDA, and the TPU kernel in the Pallas interpreter on other
-    platforms) or "auto" (the kernels on TPU and CUDA, the reference elsewhere). FP4 weights
-    have no kernel yet: they use the reference."""
+    platforms) or "auto" (the kernels on TPU and CUDA, the reference elsewhere). An FP4 weight
+    (per-32 E8M0 scales along K) is one expert of `grouped_matmul`, whose kernels read FP4 as
+    stored: every row one group (the weight viewed as `[1, N, K]` or `[L, 1, N, K]`, a bitcast)."""
     lead_axes = 1 if layer is not None else 0
     if w.ndim != 2 + lead_axes or w.shape[-1] != x.shape[-1]:
         stack = "[L, N, K]" if layer is not None else "[N, K]"
@@ -26,8 +30,10 @@ def quantized_matmul(x, w, *, layer=None, impl: str = "auto"):
                          f"(needs {stack} with K = {x.shape[-1]})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if w.fmt != "fp8":
-        impl = "ref"
+    if w.fmt == "fp4":
+        one_expert = w.replace(values=w.values[..., None, :, :], scale=w.scale[..., None, :, :])
+        rows = jnp.full((1,), x2.shape[0], jnp.int32)
+        return grouped_matmul(x2, one_expert, rows, layer=layer, impl=impl).reshape(lead + (w.shape[-2],))
     own = w if layer is None else w[layer]
 
     def run_tpu(x, interpret=False):

@@ -46,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from . import compress, sparse_attention  # noqa: E402
 from ._dispatch import DECLARED_COST  # noqa: E402
+from .fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
 from .grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from .grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
 from .quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
@@ -100,6 +101,17 @@ def _fp8_matmul_case(m: int, n: int, k: int) -> dict:
             "shapes": {"M": m, "N": n, "K": k, "x": "bfloat16"}, "minimum_bytes": minimum}
 
 
+def _fp8_activation_matmul_case(m: int, n: int, k: int) -> dict:
+    """x `[m, k]` quantized as `act_quant` leaves it (e4m3, float32 scales per 128) times a Flash
+    FP8 weight `[n, k]`: the FP8 tensor-core kernel, GPU only (TPU runs the reference)."""
+    blocks = (-(-n // 128), -(-k // 128))
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, blocks[1]), F32), S((n, k), jnp.float8_e4m3fn), S(blocks, F32))
+    minimum = n * k + 4 * blocks[0] * blocks[1] + m * k + 4 * m * blocks[1] + 2 * m * n
+    return {"fn": {"cuda": lambda q, s, v, w: fp8_activation_matmul_gpu(q, s, v, w, out_dtype=BF16)}, "args": args,
+            "shapes": {"M": m, "N": n, "K": k, "x": "e4m3 + float32 scales per 128", "out": "bfloat16"},
+            "minimum_bytes": minimum}
+
+
 def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
     """bf16 rows `[m, k]` sorted over Flash's 256 routed experts `[256, n, k]` (FP8: e4m3, float32
     128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 tokens' top-6 rows
@@ -119,7 +131,8 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
 
 
 # A case's "fn" is one function for every platform (attention and compressors: their entry
-# points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function}.
+# points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function} (a
+# platform not named has no such kernel: no record).
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -132,6 +145,8 @@ CASES = {
     "fp8_matmul/wq_b-decode": lambda: _fp8_matmul_case(1, H * D, 1024),
     "fp8_matmul/4096x4096-decode8": lambda: _fp8_matmul_case(8, 4096, 4096),
     "fp8_matmul/wq_a-prefill": lambda: _fp8_matmul_case(PREFILL, 1024, 4096),
+    "fp8_activation_matmul/4096x4096-decode8": lambda: _fp8_activation_matmul_case(8, 4096, 4096),
+    "fp8_activation_matmul/wq_a-prefill": lambda: _fp8_activation_matmul_case(PREFILL, 1024, 4096),
     "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
@@ -226,6 +241,8 @@ def report(targets=TARGETS) -> list[dict]:
         platform = aot.target(target).platform
         for name, make in CASES.items():
             case = make()
+            if isinstance(case["fn"], dict) and platform not in case["fn"]:
+                continue
             fn = case["fn"][platform] if isinstance(case["fn"], dict) else case["fn"]
             with tempfile.TemporaryDirectory() as dump:
                 mosaic_dump, xla_dump = os.path.join(dump, "mosaic"), os.path.join(dump, "xla")

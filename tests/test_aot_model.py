@@ -146,6 +146,28 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     column-parallel ones are split), the routed experts and wo_a through the grouped matmul
     kernel, and no instruction but a kernel's call touches a whole layer's (or expert's) weight:
     no copy, re-layout or dequantization of one."""
+    s, result = _compiled_small(tmp_path, target, layout, tokens)
+    platform = aot.target(target).platform
+    suffix = "_gpu" if platform == "cuda" else ""
+    kernels = aot.kernel_calls(result.compiled, platform)
+    assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
+    assert not _copies(result.compiled.as_text(), _weight_shapes(s.params, lambda a: bool(s.layout.axes(a, s.mesh))))
+    # the routed experts' tokens go as moe.expert_exchange says: by ragged all-to-all under
+    # dp_attention (experts over 4 or 8 devices), by all-gather under tp_attention on v5p-8
+    # (over expert=2)
+    from dsv4_jax.moe import expert_exchange
+
+    ragged = expert_exchange(s.cfg, s.mesh) == "ragged_all_to_all"
+    assert ragged == (layout == "dp_attention")
+    assert ("ragged-all-to-all" in result.compiled.as_text()) == ragged
+
+
+def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exchange: str = "auto",
+                    **options):
+    """A small Flash-shaped model with its published FP8/FP4 weights, its decode step (tokens 1)
+    or a prefill chunk compiled for a whole target as dsv4-plan compiles them: (plan.Setup,
+    aot.Result). tp_attention runs on expert=devices/2 x tensor=2; options: the model's run-time options."""
+    import dataclasses
     import json
 
     from dsv4_jax import plan
@@ -157,16 +179,42 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
                  compress_ratios=[0, 4, 128, 4, 0])
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small))
-    mesh = None if layout == "dp_attention" else {"expert": 2, "tensor": 2}
-    s = plan.setup(str(path), target, layout, mesh, None, "native")
+    mesh = None if layout == "dp_attention" else {"expert": aot.target(target).devices // 2, "tensor": 2}
+    s = plan.setup(str(path), target, layout, mesh, None, "native", expert_exchange)
+    s = dataclasses.replace(s, cfg=s.cfg.replace(**options))
     cache = plan.abstract_cache(s.cfg, s.batch, 1024, s.mesh, s.layout)
     ids = jax.ShapeDtypeStruct((s.batch, tokens), jnp.int32, sharding=NamedSharding(s.mesh, s.layout.spec(
         (dsv4_jax.sharding.BATCH, None), s.mesh)))
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
-        result = aot.compile_for(target, jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
-    platform = aot.target(target).platform
-    suffix = "_gpu" if platform == "cuda" else ""
-    kernels = aot.kernel_calls(result.compiled, platform)
-    assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
-    assert not _copies(result.compiled.as_text(), _weight_shapes(s.params, lambda a: bool(s.layout.axes(a, s.mesh))))
+        return s, aot.compile_for(target, jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
+
+
+@pytest.mark.parametrize("target,tokens", [("v5p-8", 16), ("h200x8", 1)], ids=["v5p-prefill", "h200-decode"])
+def test_expert_exchange_collective_bytes(tmp_path, target, tokens):
+    """The routed experts' tokens by ragged all-to-all against all-gather + reduce-scatter, both
+    compiled for the whole target: each program holds its own collectives, and the ragged
+    all-to-all sends fewer bytes (dsv4-plan's collective_bytes): each device sends its pairs
+    (top-2) and gets their outputs back, where the all-gather sends its rows to every other
+    device and reduce-scatters fp32 outputs."""
+    from dsv4_jax import plan
+
+    sent = {}
+    for exchange in ("ragged_all_to_all", "all_gather"):
+        s, result = _compiled_small(tmp_path, target, "dp_attention", tokens, exchange)
+        text = result.compiled.as_text()
+        assert ("ragged-all-to-all" in text) == (exchange == "ragged_all_to_all")
+        assert bool(re.search(r" reduce-scatter(-start)?\(", text)) == (exchange == "all_gather")
+        sent[exchange] = plan.program_cost(text, 1.0, plan.branch_shares(s.cfg),
+                                           aot.target(target).platform)["collective_bytes"]
+    assert 0 < sent["ragged_all_to_all"] < sent["all_gather"]
+
+
+def test_fp8_activations_take_the_fp8_tensor_core_kernel(tmp_path):
+    """With fp8_activations, the FP8 linears of a prefill chunk on h200x8 (tp_attention: wo_b and
+    the shared expert's w2 split by their input dim, their partial products summed) all go
+    through the FP8-activation kernel, none through the bf16-activation one."""
+    s, result = _compiled_small(tmp_path, "h200x8", "tp_attention", 16, fp8_activations=True)
+    kernels = aot.kernel_calls(result.compiled, "cuda")
+    assert "dsv4_fp8_activation_matmul_gpu" in kernels
+    assert "dsv4_fp8_matmul_gpu" not in kernels

@@ -231,21 +231,36 @@ def test_quantized_matmul_reads_a_layer_of_a_stack(impl):
 
 def test_quantized_matmul_impls_and_errors():
     """`quantized_matmul`: leading axes kept; on CPU "auto" is the reference itself and "pallas"
-    the interpreted kernel; FP4 (no kernel yet) is the reference under every impl; a weight that
-    does not fit x is a clear error."""
-    from dsv4_jax.quantized import QuantizedWeight
-
+    the interpreted kernel; a weight that does not fit x is a clear error."""
     w = _fp8_weight(256, 384, jnp.float32, seed=1)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 384)), jnp.float32)
     ref = pallas_kernels.quantized_matmul_ref(x.reshape(6, 384), w).reshape(2, 3, 256)
     np.testing.assert_array_equal(np.asarray(pallas_kernels.quantized_matmul(x, w)), np.asarray(ref))
     _check(pallas_kernels.quantized_matmul(x, w, impl="pallas"), ref)
-    rng = np.random.default_rng(2)
-    fp4 = QuantizedWeight(jnp.asarray(rng.integers(0, 256, (128, 192)), jnp.uint8),
-                          jnp.asarray(rng.integers(120, 130, (128, 12)), jnp.uint8), fmt="fp4")
-    for impl in ("auto", "pallas", "ref"):
-        np.testing.assert_array_equal(np.asarray(pallas_kernels.quantized_matmul(x, fp4, impl=impl)),
-                                      np.asarray(jnp.einsum("...k,nk->...n", x, fp4.dequantize(),
-                                                            preferred_element_type=jnp.float32)))
     with pytest.raises(ValueError, match=r"x \(2, 3, 384\) and a weight \[256, 512\] \(needs \[N, K\]"):
         pallas_kernels.quantized_matmul(x, _fp8_weight(256, 512, jnp.float32, seed=3))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 512])
+@pytest.mark.parametrize("n, k, dtype", [(256, 1024, jnp.float32), (200, 352, jnp.bfloat16)])
+def test_fp4_matmul_matches_ref(m, n, k, dtype):
+    """An FP4 weight (e2m1 values, per-32 E8M0 scales along K) through `quantized_matmul`'s
+    kernel (the grouped matmul's, one group of every row; the TPU kernel in the interpreter)
+    against dequantize-then-multiply, N and K multiples of 128 and not; also a layer of a stack
+    read in place, and leading axes of x kept."""
+    from test_grouped_matmul import _weight
+
+    from dsv4_jax.quantized import QuantizedWeight
+
+    w = _weight("fp4", (), n, k, seed=m + n).replace(dtype_name=jnp.dtype(dtype).name)
+    x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)), dtype)
+    want = pallas_kernels.quantized_matmul_ref(x, w)
+    _check(pallas_kernels.quantized_matmul(x, w, impl="pallas"), want)
+    _check(pallas_kernels.quantized_matmul(x, w), want)
+    if m == 3:
+        other = _weight("fp4", (), n, k, seed=1).replace(dtype_name=w.dtype_name)
+        stack = QuantizedWeight(jnp.stack([other.values, w.values]), jnp.stack([other.scale, w.scale]), fmt="fp4",
+                                dtype_name=w.dtype_name)
+        run = jax.jit(lambda x, s, i: pallas_kernels.quantized_matmul(x, s, layer=i, impl="pallas"))
+        _check(run(x, stack, jnp.int32(1)), want)
+        _check(pallas_kernels.quantized_matmul(x.reshape(1, 3, k), w, impl="pallas"), want.reshape(1, 3, n))

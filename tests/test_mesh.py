@@ -198,38 +198,146 @@ def test_unsplittable_block_scales_are_an_error(tmp_path):
         model(_ids(cfg, 4, 8))
 
 
-@pytest.mark.parametrize("layout, axes, kernel", [
-    ("dp_attention", (None, None), True),  # replicated (attention under dp_attention)
-    ("tp_attention", (sharding.HEADS, None), True),  # output dim split (wq_b)
-    ("tp_attention", (None, sharding.HEADS), False),  # input dim split (wo_b): XLA's product
+@pytest.mark.parametrize("layout, axes, kernel, fp8_activations", [
+    ("dp_attention", (None, None), True, False),  # replicated (attention under dp_attention)
+    ("tp_attention", (sharding.HEADS, None), True, False),  # output dim split (wq_b)
+    ("tp_attention", (None, sharding.HEADS), False, False),  # input dim split (wo_b): XLA's product
+    ("tp_attention", (sharding.HEADS, None), True, True),
+    ("tp_attention", (None, sharding.HEADS), True, True),  # input dim split: partial products summed
 ])
-def test_quantized_dense_runs_the_kernel_per_device(layout, axes, kernel):
+def test_quantized_dense_runs_the_kernel_per_device(layout, axes, kernel, fp8_activations):
     """`linear.dense`'s TPU path for an FP8 weight (`linear._kernel`), here with impl "pallas" (the
     TPU kernel in the Pallas interpreter) on data=2 x tensor=2 x expert=2: the kernel runs once per
     device on its rows and its piece of the weight, unless the weight's input dim is split (then
     XLA's partitioned product, whose partial sums add up in fp32). Equals the CPU path within
-    fp32 rounding of sums in another order (1e-5 of the largest output)."""
+    fp32 rounding of sums in another order (1e-5 of the largest output). With fp8_activations
+    (`dense` takes the kernel on every platform, here the GPU kernel in the interpreter), also
+    where the input dim is split: equal to `fp8_activation_matmul_ref` on one device, and not to
+    the product of the activations as they are."""
+    import pallas_kernels
     from dsv4_jax import linear
     from dsv4_jax.quantized import QuantizedWeight
     from jax.sharding import NamedSharding
 
     mesh = sharding.make_mesh(MESHES[3])
-    cfg = dsv4_jax.ModelConfig.from_hf(CONFIG).replace(layout=sharding.get_layout(layout), attention_impl="pallas")
+    cfg = dsv4_jax.ModelConfig.from_hf(CONFIG).replace(layout=sharding.get_layout(layout), attention_impl="pallas",
+                                                       fp8_activations=fp8_activations)
     rng = np.random.default_rng(0)
-    n, k = 512, 384
+    n, k = 512, 512 if axes[1] else 384  # a split input dim: whole scale blocks on each device
     values = jax.numpy.asarray(rng.standard_normal((n, k)) * 4, jax.numpy.float8_e4m3fn)
     scale = jax.numpy.asarray(2.0 ** rng.integers(-8, 0, (n // 128, k // 128)), jax.numpy.float32)
     x = rng.standard_normal((8, 3, k)).astype(np.float32)
     w = QuantizedWeight(values, scale, fmt="fp8", axes=axes)
-    want = np.asarray(linear._dense_whole(w, x))
+    as_they_are = np.asarray(linear._dense_whole(w, x))
+    want = (np.asarray(pallas_kernels.fp8_activation_matmul_ref(x.reshape(-1, k), w)).reshape(8, 3, n)
+            if fp8_activations else as_they_are)
 
     def placed(a, logical):
         return jax.device_put(a, NamedSharding(mesh, cfg.layout.spec(logical, mesh, a.shape)))
 
     w_mesh = w.replace(values=placed(values, axes), scale=placed(scale, axes))
     x_mesh = placed(x, (sharding.BATCH, None, None))
-    fn = jax.jit(lambda x, w: linear._kernel(w, x, cfg))
+    fn = jax.jit(lambda x, w: linear.dense(x, w, cfg))
     with jax.set_mesh(mesh):
         assert ("pallas_call" in str(jax.make_jaxpr(fn)(x_mesh, w_mesh))) == kernel
         got = np.asarray(fn(x_mesh, w_mesh))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    if fp8_activations:
+        assert np.abs(got - as_they_are).max() > 1e-3 * np.abs(want).max()
+
+
+def _ragged_all_to_all_twin(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` as its documentation defines it, by all-gathers (XLA:CPU has no
+    ragged all-to-all): sender s's rows input_offsets[s][d] .. + send_sizes[s][d] land in device
+    d's output at output_offsets[s][d]; rows no sender writes keep `output`'s values."""
+    me = jax.lax.axis_index(axis_name)
+    rows, start, size, src = (jax.lax.all_gather(a, axis_name, axis=0, tiled=False)
+                              for a in (operand, output_offsets, send_sizes, input_offsets))
+    start, size, src = start[:, me], size[:, me], src[:, me]  # what each sender sends me
+    assert recv_sizes.shape == size.shape
+    r = jax.numpy.arange(output.shape[0])
+    hit = (r[None] >= start[:, None]) & (r[None] < (start + size)[:, None])  # [sender, output row]
+    sender = jax.numpy.argmax(hit, axis=0)
+    at = jax.numpy.clip(src[sender] + r - start[sender], 0, operand.shape[0] - 1)
+    written = hit.any(axis=0).reshape((-1,) + (1,) * (output.ndim - 1))
+    return jax.numpy.where(written, rows[sender, at], output)
+
+
+def test_ragged_all_to_all_twin():
+    """The twin on expert=4 against hand-placed rows: device d sends d + 1 rows to each device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = 4
+    mesh = jax.make_mesh((n, 2), ("expert", "data"))
+    send = np.array([[d + 1] * n for d in range(n)], np.int32)  # [sender, receiver]
+    operand = np.arange(n * 16, dtype=np.float32).reshape(n, 16)  # sender d's rows: 16 d + i
+    in_off = np.cumsum(send, axis=1) - send
+    out_off = (np.cumsum(send, axis=0) - send)  # [sender, receiver]
+
+    def local(op, io, ss, oo, rs):
+        return _ragged_all_to_all_twin(op[0], jax.numpy.full((16,), -1.0), io[0], ss[0], oo[0], rs[0],
+                                       axis_name="expert")[None]
+
+    args = [operand, in_off, send, out_off, send.T.copy()]
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 5, out_specs=P("expert")))
+    got = np.asarray(run(*[jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args]))
+    for d in range(n):
+        want = [16 * s + in_off[s, d] + i for s in range(n) for i in range(send[s, d])]
+        np.testing.assert_array_equal(got[d, :len(want)], want)
+        assert (got[d, len(want):] == -1).all()
+
+
+@pytest.mark.parametrize("layout, shape, capacity", [("dp_attention", MESHES[1], 2), ("dp_attention", MESHES[3], 0.3),
+                                                     ("tp_attention", MESHES[2], 2)],
+                         ids=["expert8-dp_attention", "data2-tensor2-expert2-dp_attention-rounds",
+                              "data2-expert4-tp_attention"])
+def test_ragged_all_to_all_exchange_equals_one_device(native, single, monkeypatch, layout, shape, capacity):
+    """expert_exchange "ragged_all_to_all" (each (token, expert) pair sent to its expert's device
+    and back, `moe._exchanged`), run on CPU with the collective's twin in place of the one XLA:CPU
+    lacks and in place of the all-gather the CPU takes: a full forward of 6 sequences x 140 tokens
+    gives one device's logits (within 1e-5 of the largest, as the other mesh tests). With a
+    capacity of 0.3 T k rows per round, every exchange takes several rounds (a device receives
+    T k rows on average)."""
+    from dsv4_jax import moe
+
+    monkeypatch.setattr(moe, "EXCHANGE_CAPACITY", capacity)
+    monkeypatch.setattr(moe, "ragged_all_to_all", _ragged_all_to_all_twin)
+    monkeypatch.setattr(moe, "_gathered", lambda *a, limit, ep, gather: moe._exchanged(*a, limit=limit, ep=ep))
+    mesh = sharding.make_mesh(shape)
+    model = dsv4_jax.load(native, mesh=mesh, layout=layout, expert_exchange="ragged_all_to_all")
+    assert moe.expert_exchange(model.config, mesh) == "ragged_all_to_all"
+    ids = _ids(model.config, 6, 140)
+    want = np.asarray(single(ids))
+    got = np.asarray(model(ids))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_expert_exchange_rule():
+    """`moe.expert_exchange`: "auto" takes the ragged all-to-all when the experts split over more
+    than EXCHANGE_CAPACITY (2) devices and the layout allows it; a forced choice the layout
+    cannot run is an error naming the axes."""
+    from dsv4_jax import moe
+
+    cfg = dsv4_jax.ModelConfig.from_hf(dict(CONFIG, num_experts_per_tok=6, n_routed_experts=16))
+    dp = cfg.replace(layout=sharding.get_layout("dp_attention"))
+    tp = cfg.replace(layout=sharding.get_layout("tp_attention"))
+    assert moe.EXCHANGE_CAPACITY == 2
+    assert moe.expert_exchange(dp, sharding.make_mesh({"expert": 8})) == "ragged_all_to_all"
+    assert moe.expert_exchange(dp, sharding.make_mesh({"data": 2, "expert": 4})) == "ragged_all_to_all"
+    assert moe.expert_exchange(dp, sharding.make_mesh({"data": 4, "expert": 2})) == "all_gather"
+    assert moe.expert_exchange(tp, sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})) == "all_gather"
+    assert moe.expert_exchange(tp, sharding.make_mesh({"tensor": 2, "expert": 4})) == "ragged_all_to_all"
+    assert moe.expert_exchange(dp, sharding.make_mesh({"data": 8})) == "all_gather"  # nothing to exchange
+    assert moe.expert_exchange(dp.replace(expert_exchange="all_gather"),
+                               sharding.make_mesh({"expert": 8})) == "all_gather"
+    assert moe.expert_exchange(dp.replace(expert_exchange="ragged_all_to_all"),
+                               sharding.make_mesh({"data": 4, "expert": 2})) == "ragged_all_to_all"
+    # the experts split over expert, their width over tensor, which also splits the tokens: each
+    # pair's output would need the other tensor half's share from another device's tokens
+    lay = sharding.Layout("mine", ((sharding.BATCH, ("expert", "tensor")), (sharding.EXPERTS, ("expert",)),
+                                   (sharding.EXPERT_MLP, ("tensor",))))
+    with pytest.raises(ValueError, match=r"needs every mesh axis that splits the experts .* layout 'mine'"):
+        moe.expert_exchange(dp.replace(layout=lay, expert_exchange="ragged_all_to_all"),
+                            sharding.make_mesh({"tensor": 2, "expert": 4}))
+    with pytest.raises(ValueError, match="`expert_exchange` must be one of"):
+        cfg.replace(expert_exchange="nccl")
