@@ -64,14 +64,16 @@ _put_ptxas_first_on_path()
 @dataclasses.dataclass(frozen=True)
 class Device:
     """One device's published figures (the roofline's data, dsv4_jax/plan.py): HBM bytes, HBM
-    bandwidth (bytes/s) and peak dense bf16 flops/s, with where they come from. A GPU's memory
-    and bandwidth are those its target config (gpu_targets/*.txtpb) gives the compiler."""
+    bandwidth (bytes/s), peak dense bf16 flops/s and, where its matrix units take FP8 operands,
+    peak dense FP8 flops/s, with where they come from. A GPU's memory and bandwidth are those its
+    target config (gpu_targets/*.txtpb) gives the compiler."""
 
     kind: str
     memory_bytes: int
     hbm_bandwidth: float
     peak_bf16_flops: float
     source: str
+    peak_fp8_flops: float | None = None
 
 
 DEVICES = {d.kind: d for d in (
@@ -83,13 +85,16 @@ DEVICES = {d.kind: d for d in (
     Device("TPU v7x", 192 * 2**30 // 2, 7.37e12 / 2, 2307e12 / 2,
            "cloud.google.com/tpu/docs/tpu7x: 2307 TFLOPs bf16 (4614 fp8) and 192 GiB HBM per chip, "
            "two TensorCores per chip; 7.37 TB/s HBM per chip from Google's Ironwood announcement (jax's "
-           "pallas tpu_info: 7.40e12 B/s, 2.31e15 bf16 flop/s, 206e9 bytes); halved per device"),
+           "pallas tpu_info: 7.40e12 B/s, 2.31e15 bf16 flop/s, 206e9 bytes); halved per device",
+           peak_fp8_flops=4614e12 / 2),
     Device("H100 SXM", 84929347584, 3.35232e12, 989.4e12,
-           "NVIDIA H100 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; "
-           "80 GB HBM3 at 3.35 TB/s (memory as gpu_targets/h100_sxm.txtpb gives it)"),
+           "NVIDIA H100 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; fp8 3958 "
+           "with sparsity, 1979 dense; 80 GB HBM3 at 3.35 TB/s (memory as gpu_targets/h100_sxm.txtpb gives it)",
+           peak_fp8_flops=1978.9e12),
     Device("H200 SXM", 150754820096, 4.8e12, 989.4e12,
-           "NVIDIA H200 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; "
-           "141 GB HBM3e at 4.8 TB/s (memory as gpu_targets/h200_sxm.txtpb gives it)"),
+           "NVIDIA H200 datasheet (SXM): bf16 tensor core 1979 TFLOPS with sparsity, 989 dense; fp8 3958 "
+           "with sparsity, 1979 dense; 141 GB HBM3e at 4.8 TB/s (memory as gpu_targets/h200_sxm.txtpb gives it)",
+           peak_fp8_flops=1978.9e12),
 )}
 
 

@@ -88,13 +88,14 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     weights = route(scores, experts, cfg.routed_scaling_factor)
     stacks = params["layers"]["ffn"]
     if isinstance(stacks["w1"], PerExpert):  # CPU generate: each expert's own buffers
-        routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit)
+        routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit,
+                                fp8_activations=cfg.fp8_activations)
     elif sharding.active(cfg) is not None:  # expert parallel: tokens exchanged between devices
         routed = routed_experts_on_mesh(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"],
                                         cfg.swiglu_limit, layer_index, cfg)
     else:  # the chosen experts straight out of the stacks
         routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,
-                                layer=layer_index)
+                                layer=layer_index, fp8_activations=cfg.fp8_activations)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 

@@ -54,19 +54,42 @@ def _block_size(rows: int, n_experts: int) -> int:
     return b
 
 
-def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None, cfg=None) -> jnp.ndarray:
+def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None, cfg=None,
+           fp8_activations: bool = False) -> jnp.ndarray:
     """One SwiGLU expert (w1/w3 `[I, D]`, w2 `[D, I]`) on rows x `[R, D]`: `[R, D]` in w2's dtype.
     A routed expert's routing weights hw fp32 `[R, 1]` multiply the activation before the down
     projection, as in the reference. cfg as for `linear.dense` (none for the routed experts,
-    which run per device already)."""
+    which run per device already); fp8_activations: x and the down projection's input rounded as
+    the reference's FP8 quantization rounds them (`fp8_rounded`; the routed experts: their FP4
+    weights have no FP8-activation kernel)."""
+    x = fp8_rounded(x, fp8_activations)
     h = swiglu(dense(x, w1, cfg), dense(x, w3, cfg), limit)
+    return dense(down_input(h, hw, w2.dtype, fp8_activations), w2, cfg)
+
+
+def down_input(h: jnp.ndarray, hw: jnp.ndarray | None, dtype, fp8_activations: bool) -> jnp.ndarray:
+    """The down projection's input: the SwiGLU activation h fp32 `[R, I]` times the routing
+    weights hw fp32 `[R, 1]` (a routed expert), rounded to the weight's compute dtype (and with
+    fp8_activations as the reference's FP8 quantization rounds it)."""
     if hw is not None:
         h = h * hw
-    return dense(h.astype(w2.dtype), w2, cfg)
+    return fp8_rounded(h.astype(dtype), fp8_activations)
+
+
+def fp8_rounded(x: jnp.ndarray, fp8_activations: bool) -> jnp.ndarray:
+    """x, or with fp8_activations x as `pallas_kernels.act_quant` rounds it (e4m3 per 128 columns
+    with power-of-two scales) in x's dtype: q s, exact in bf16 and fp32 (4 significant bits times
+    a power of two). The reference's FP4 GEMM multiplies q s by the weight blocks (converting FP4
+    to FP8 is exact), so x rounded this way, times the stored weight, is its product."""
+    if not fp8_activations:
+        return x
+    q, s = pallas_kernels.act_quant(x)
+    scales = jnp.repeat(s, 128, axis=-1)[..., :x.shape[-1]]
+    return (q.astype(jnp.float32) * scales).astype(x.dtype)
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
-                   layer=None, first_expert=None) -> jnp.ndarray:
+                   layer=None, first_expert=None, fp8_activations: bool = False) -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`:
@@ -79,9 +102,9 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     groups that `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights
     (`_grouped`), on CPU into blocks of b rows that each belong to one expert (`_by_blocks`). Either way
     the work is T*k rows (plus, in blocks, at most b-1 padding rows per expert), never all
-    experts for every token.
+    experts for every token. fp8_activations: as for `expert`.
     """
-    args = (x, experts, weights, w1, w2, w3, limit, layer, first_expert)
+    args = (x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations)
     if isinstance(w1, LayerExperts):  # CPU only
         return _by_blocks(*args)
     grouped = lambda *a: _grouped(*a, *args[3:])  # noqa: E731
@@ -105,14 +128,14 @@ def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
     return order, flat_e, counts
 
 
-def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
+def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False) -> jnp.ndarray:
     """`routed_experts` by grouped products (`_pair_outputs`), each token's pairs summed in fp32."""
     T, k = experts.shape
-    y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert)
+    y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations)
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
 
 
-def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert):
+def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False):
     """The output of each (token, expert) pair of x `[T, D]` and experts `[T, k]`: the pairs' rows
     sorted by expert, each group's rows multiplied by its expert's stored weights, read once per
     chosen expert (none for an expert no row chose); products in the weights' compute dtype as
@@ -129,12 +152,12 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert):
         with jax.named_scope(ROUTED_SCOPE):
             return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
 
-    xs = x[order // experts.shape[1]]
-    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit) * hw
-    return gmm(h.astype(w2.dtype), w2), order
+    xs = fp8_rounded(x[order // experts.shape[1]], fp8_activations)
+    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
+    return gmm(down_input(h, hw, w2.dtype, fp8_activations), w2), order
 
 
-def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> jnp.ndarray:
+def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False) -> jnp.ndarray:
     """`routed_experts` by blocks of b rows of one expert each, every block's expert gathered
     out of the stack (or read in place, LayerExperts)."""
     T, k = experts.shape
@@ -144,7 +167,7 @@ def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert) -> j
     b = _block_size(rows, E)
 
     def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
-        return expert(x, w1, w2, w3, limit, hw).astype(jnp.float32)
+        return expert(x, w1, w2, w3, limit, hw, fp8_activations=fp8_activations).astype(jnp.float32)
 
     order, flat_e, counts = _sorted_pairs(experts, E, first_expert)
     sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
@@ -237,11 +260,13 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     mesh, layout = active(cfg), cfg.layout
     ep, mlp, batch = (layout.axes(a, mesh) for a in (EXPERTS, EXPERT_MLP, BATCH))
     summed = tuple(a for a in ep + mlp if a not in batch)
-    gathered = partial(_gathered, limit=limit, ep=ep, gather=tuple(a for a in batch if a in ep + mlp))
+    fp8 = cfg.fp8_activations
+    gathered = partial(_gathered, limit=limit, ep=ep, gather=tuple(a for a in batch if a in ep + mlp),
+                       fp8_activations=fp8)
 
     def local(*args):
         if expert_exchange(cfg, mesh) == "ragged_all_to_all":
-            exchanged = partial(_exchanged, limit=limit, ep=ep)
+            exchanged = partial(_exchanged, limit=limit, ep=ep, fp8_activations=fp8)
             y = jax.lax.platform_dependent(*args, tpu=exchanged, cuda=exchanged, default=gathered)
         else:
             y = gathered(*args)
@@ -253,18 +278,19 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     return run(x, experts, weights, w1, w2, w3, layer)
 
 
-def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather) -> jnp.ndarray:
+def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_activations) -> jnp.ndarray:
     """Per device: gathers the tokens (x `[T, D]` and their routing) of the devices on the
     `gather` axes, runs the pairs that chose its own experts (the stacks' local share, on its
     slice of their width) and reduce-scatters the fp32 outputs back to the tokens' devices."""
     if gather:
         x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
     first = jax.lax.axis_index(ep) * w1.shape[1] if ep else 0
-    y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first)
+    y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first,
+                       fp8_activations=fp8_activations)
     return jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True) if gather else y
 
 
-def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep) -> jnp.ndarray:
+def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activations) -> jnp.ndarray:
     """Per device: sends each of its (token, expert) pairs (the token's row of x `[T, D]`, the
     expert id and routing weight) to the device on the `ep` axes that holds the expert, runs the
     pairs it receives (`_pair_outputs`, one row per pair) and sends each pair's output back, where the
@@ -299,7 +325,7 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep) -> jnp.ndar
             return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], count[:, me], axis_name=ep)
 
         y, by_expert = _pair_outputs(there(xs, 0), there(es, -1)[:, None], there(hw, 0)[:, None], w1, w2, w3,
-                                     limit, layer, me * local_experts)
+                                     limit, layer, me * local_experts, fp8_activations)
         # each pair's output back where it was sent from, in the order it came (a gather by the
         # inverse of the expert order)
         y = y[jnp.argsort(by_expert)]

@@ -2,7 +2,7 @@
 
     dsv4-plan flash --target v5p-8 [--layout dp_attention] [--mesh expert=4] [--batch 4]
               [--max-len 8192] [--prefill-chunk 512] [--weight-dtype native|bfloat16]
-              [--expert-exchange auto|all_gather|ragged_all_to_all]
+              [--expert-exchange auto|all_gather|ragged_all_to_all] [--fp8-activations]
     python -m dsv4_jax.plan pro --target h200x8 ...
 
 The model is `flash` or `pro` (dsv4_jax/presets.py) or a path to a config.json. The decode step
@@ -24,12 +24,14 @@ The JSON it prints (one object):
                flops and bytes_accessed per device: XLA's cost analysis of the compiled program
                with every loop counted as many times as it runs (`program_cost`), min_bytes (what
                the step cannot avoid reading, `min_bytes`), their ratio, roofline_ms (the larger
-               of bytes_accessed / HBM bandwidth and flops / peak bf16 flops), tokens_per_s for
+               of bytes_accessed / HBM bandwidth and flops / peak bf16 flops, fp8_flops, those
+               of the FP8 tensor-core kernel, at the peak FP8 rate), tokens_per_s for
                the whole batch, and the same at min_bytes; collective_bytes: what a device sends
                in the program's collectives (`_Module.collective_bytes`)
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
                found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
-The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), batch and lengths are echoed; README.md ("Planning real hardware") has runs.
+The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), fp8_activations, batch and
+lengths are echoed; README.md ("Planning real hardware") has runs.
 Bad input exits 1 with one line on stderr.
 """
 
@@ -59,6 +61,7 @@ from .moe import ROUTED_SCOPE, exchange_rows, expert_exchange as expert_exchange
 from .params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from .presets import PRESETS, preset  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
+from pallas_kernels.fp8_activations_gpu import KERNEL_NAME as FP8_ACTIVATION_KERNEL  # noqa: E402
 from .quantized import QuantizedWeight, storage_shapes  # noqa: E402
 
 WEIGHT_DTYPES = ("native", "bfloat16")
@@ -142,7 +145,7 @@ class Setup:
 
 
 def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int] | None, batch: int | None,
-          weight_dtype: str, expert_exchange: str = "auto") -> Setup:
+          weight_dtype: str, expert_exchange: str = "auto", fp8_activations: bool = False) -> Setup:
     """Checks the input and builds the Setup (PlanError names the first problem). batch None:
     one sequence per piece the layout splits sequences into."""
     cfg = model_config(model)
@@ -167,7 +170,8 @@ def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int]
         raise PlanError(f"--batch {batch} must be a positive multiple of {rows}, the pieces layout {lay.name!r} "
                         f"splits sequences into on mesh {axes}")
     try:
-        cfg = cfg.replace(attention_impl="pallas", layout=lay, expert_exchange=expert_exchange)
+        cfg = cfg.replace(attention_impl="pallas", layout=lay, expert_exchange=expert_exchange,
+                          fp8_activations=fp8_activations)
         expert_exchange_of(cfg, mesh)
     except ValueError as e:
         raise PlanError(str(e)) from None
@@ -246,12 +250,13 @@ for _op, _share in (("all-gather", lambda n: n - 1), ("reduce-scatter", lambda n
     _COLLECTIVES[_op] = _COLLECTIVES[_op + "-start"] = _share
 _GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[[\d,]*?(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 
 
 def _group_size(line: str) -> int:
     """How many devices a collective's groups hold: its replica_groups listed ({{0,1,2,3},...}),
-    as an iota ([groups,size]<=[n]) or as mesh axes (mesh['axis_0'=8] {'axis_0'})."""
+    as an iota ([groups,size]<=[n]) or as mesh axes (mesh['axis_0'=2,'axis_1'=4] {'axis_0'},
+    perhaps with device_ids between)."""
     m = _GROUPS_LISTED.search(line)
     if m:
         return len(m.group(1).split(","))
@@ -293,9 +298,10 @@ class _Module:
 
     @functools.cache
     def xla(self, comp: str) -> np.ndarray:
-        """[flops, bytes accessed, collective bytes] of computation `comp`: the first two by XLA's
-        HloCostAnalysis, which counts a while loop's body once and a conditional's costliest
-        branch, the third (`collective_bytes`) counted the same way."""
+        """[flops, bytes accessed, collective bytes, FP8 flops] of computation `comp`: the first
+        two by XLA's HloCostAnalysis, which counts a while loop's body once and a conditional's
+        costliest branch, the third (`collective_bytes`) counted the same way; the fourth, the
+        FP8 tensor-core kernels' share of the flops, is 0 (XLA counts no kernel's flops)."""
         from jax._src.lib import _jax  # the HLO cost analysis has no public entry point
         from jaxlib import _hlo
 
@@ -307,7 +313,7 @@ class _Module:
         module = _hlo.hlo_module_from_text(re.sub(r" stack_frame_id=\d+", "", "\n\n".join(parts)))
         cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
         return np.array([max(float(cost.get("flops", 0)), 0.0), max(float(cost.get("bytes accessed", 0)), 0.0),
-                         self.collective_bytes(comp)])
+                         self.collective_bytes(comp), 0.0])
 
     @functools.cache
     def shapes(self, comp: str) -> dict[str, int]:
@@ -418,7 +424,8 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`). Collectives count the bytes a device sends in them
     (`_Module.collective_bytes`), loops and branches as above.
-    Returns {"flops", "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
+    Returns {"flops", "fp8_flops" (those of the FP8-activation kernel, which run on the FP8
+    tensor cores), "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
     (XLA's own figures, loops counted once), "loops": [{"trips", "assumed"}...]}."""
     mod = _Module(text)
     loops = []
@@ -430,7 +437,8 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
             if "custom-call(" in line and any(t in line for t in KERNEL_CALLS):
                 declared = _DECLARED.search(line) or DECLARED_COST.search(line)
                 if declared:
-                    out += [float(declared.group(1)), float(declared.group(2)), 0.0]
+                    flops = float(declared.group(1))
+                    out += [flops, float(declared.group(2)), 0.0, flops if FP8_ACTIVATION_KERNEL in line else 0.0]
                     if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
                         out[1] -= unchosen_bytes
                 else:
@@ -461,10 +469,11 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                 out[1] -= _scatter_overcount(mod, line)
         return out
 
-    flops, nbytes, collective = total(mod.entry)
-    xla_flops, xla_bytes, _ = mod.xla(mod.entry)
-    return {"flops": float(flops), "bytes_accessed": float(nbytes), "collective_bytes": float(collective),
-            "xla_flops": float(xla_flops), "xla_bytes_accessed": float(xla_bytes), "loops": loops}
+    flops, nbytes, collective, fp8_flops = total(mod.entry)
+    xla_flops, xla_bytes, _, _ = mod.xla(mod.entry)
+    return {"flops": float(flops), "fp8_flops": float(fp8_flops), "bytes_accessed": float(nbytes),
+            "collective_bytes": float(collective), "xla_flops": float(xla_flops),
+            "xla_bytes_accessed": float(xla_bytes), "loops": loops}
 
 
 def branch_shares(cfg: ModelConfig) -> dict[int, float]:
@@ -567,17 +576,19 @@ def _step_figures(s: Setup, c: Compiled, need: dict, tokens_per_step: int) -> di
     if c.cost is None:
         return out
 
+    fp8 = c.cost["fp8_flops"]  # on the FP8 tensor cores, the rest at the bf16 rate
+    compute_s = (c.cost["flops"] - fp8) / dev.peak_bf16_flops + fp8 / (dev.peak_fp8_flops or dev.peak_bf16_flops)
+
     def roofline(nbytes):
-        seconds = max(nbytes / dev.hbm_bandwidth, c.cost["flops"] / dev.peak_bf16_flops)
+        seconds = max(nbytes / dev.hbm_bandwidth, compute_s)
         return seconds * 1e3, tokens_per_step / seconds
 
     ms, tps = roofline(c.cost["bytes_accessed"])
     ms_min, tps_min = roofline(need["total"])
-    out.update(flops=c.cost["flops"], bytes_accessed=c.cost["bytes_accessed"],
+    out.update(flops=c.cost["flops"], fp8_flops=fp8, bytes_accessed=c.cost["bytes_accessed"],
                collective_bytes=c.cost["collective_bytes"],
                bytes_ratio=c.cost["bytes_accessed"] / need["total"], roofline_ms=ms, tokens_per_s=tps,
-               bound="memory" if c.cost["bytes_accessed"] / dev.hbm_bandwidth >= c.cost["flops"] / dev.peak_bf16_flops
-               else "compute",
+               bound="memory" if c.cost["bytes_accessed"] / dev.hbm_bandwidth >= compute_s else "compute",
                roofline_ms_at_min_bytes=ms_min, tokens_per_s_at_min_bytes=tps_min,
                xla_cost_loops_once={"flops": c.cost["xla_flops"], "bytes_accessed": c.cost["xla_bytes_accessed"]},
                loops=_loop_summary(c.cost["loops"]))
@@ -685,14 +696,14 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
 
 def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str, int] | None = None,
          batch: int | None = None, max_len: int = 8192, prefill_chunk: int = 512, weight_dtype: str = "native",
-         search_context: bool = True, expert_exchange: str = "auto") -> dict:
+         search_context: bool = True, expert_exchange: str = "auto", fp8_activations: bool = False) -> dict:
     """The plan's JSON object (see the module doc). batch None: one sequence per piece the layout
     splits sequences into."""
     if max_len < 1 or prefill_chunk < 1:
         raise PlanError(f"--max-len ({max_len}) and --prefill-chunk ({prefill_chunk}) must be positive")
     if prefill_chunk > max_len:
         raise PlanError(f"--prefill-chunk {prefill_chunk} exceeds --max-len {max_len}")
-    s = setup(model, target, layout, mesh_axes, batch, weight_dtype, expert_exchange)
+    s = setup(model, target, layout, mesh_axes, batch, weight_dtype, expert_exchange, fp8_activations)
     decode = compile_step(s, max_len, 1)
     prefill = compile_step(s, max_len, prefill_chunk)
     rows = s.batch
@@ -700,7 +711,8 @@ def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str
     out = {
         "model": model, "target": target, "device": dataclasses.asdict(dev),
         "mesh": dict(s.mesh.shape), "layout": s.layout.name,
-        "expert_exchange": expert_exchange_of(s.cfg, s.mesh), "batch": s.batch,
+        "expert_exchange": expert_exchange_of(s.cfg, s.mesh), "fp8_activations": fp8_activations,
+        "batch": s.batch,
         "batch_per_device": s.batch // s.shards(sharding.BATCH), "max_len": max_len,
         "prefill_chunk": prefill_chunk, "weight_dtype": weight_dtype,
         "per_device": memory_plan(s, max_len, decode, prefill),
@@ -739,6 +751,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-dtype", default="native", help="native (FP8/FP4 as stored; default) or bfloat16")
     ap.add_argument("--expert-exchange", choices=EXPERT_EXCHANGES, default="auto",
                     help="how expert parallelism moves tokens (default auto: moe.expert_exchange's rule)")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="the FP8 linears with their activations quantized to FP8 (the FP8 tensor-core "
+                         "kernel on CUDA; its flops at the device's FP8 peak)")
     ap.add_argument("--no-max-context", action="store_true", help="skip the max_context search (fewer compiles)")
     return ap
 
@@ -749,7 +764,7 @@ def main(argv=None) -> int:
         mesh_axes = sharding.parse_mesh(args.mesh) if args.mesh else None
         out = plan(args.model, args.target, args.layout, mesh_axes, args.batch, args.max_len, args.prefill_chunk,
                    args.weight_dtype, search_context=not args.no_max_context,
-                   expert_exchange=args.expert_exchange)
+                   expert_exchange=args.expert_exchange, fp8_activations=args.fp8_activations)
     except (PlanError, ValueError) as e:
         print(f"dsv4-plan: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1

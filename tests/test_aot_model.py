@@ -190,13 +190,14 @@ def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exch
         return s, aot.compile_for(target, jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
 
 
-@pytest.mark.parametrize("target,tokens", [("v5p-8", 16), ("h200x8", 1)], ids=["v5p-prefill", "h200-decode"])
-def test_expert_exchange_collective_bytes(tmp_path, target, tokens):
+def test_expert_exchange_collective_bytes(tmp_path):
     """The routed experts' tokens by ragged all-to-all against all-gather + reduce-scatter, both
-    compiled for the whole target: each program holds its own collectives, and the ragged
+    compiled for a whole h200x8 (decode; the in-place test above compiles the ragged one for
+    v5p-8 decode and prefill too): each program holds its own collectives, and the ragged
     all-to-all sends fewer bytes (dsv4-plan's collective_bytes): each device sends its pairs
     (top-2) and gets their outputs back, where the all-gather sends its rows to every other
     device and reduce-scatters fp32 outputs."""
+    target, tokens = "h200x8", 1
     from dsv4_jax import plan
 
     sent = {}
@@ -213,8 +214,14 @@ def test_expert_exchange_collective_bytes(tmp_path, target, tokens):
 def test_fp8_activations_take_the_fp8_tensor_core_kernel(tmp_path):
     """With fp8_activations, the FP8 linears of a prefill chunk on h200x8 (tp_attention: wo_b and
     the shared expert's w2 split by their input dim, their partial products summed) all go
-    through the FP8-activation kernel, none through the bf16-activation one."""
+    through the FP8-activation kernel, none through the bf16-activation one; dsv4-plan's cost
+    counts the kernel's flops apart (`fp8_flops`)."""
+    from dsv4_jax import plan
+
     s, result = _compiled_small(tmp_path, "h200x8", "tp_attention", 16, fp8_activations=True)
     kernels = aot.kernel_calls(result.compiled, "cuda")
     assert "dsv4_fp8_activation_matmul_gpu" in kernels
     assert "dsv4_fp8_matmul_gpu" not in kernels
+    # dsv4-plan counts their declared flops apart, to run at the FP8 rate in its roofline
+    cost = plan.program_cost(result.compiled.as_text(), 1.0, plan.branch_shares(s.cfg), "cuda")
+    assert 0 < cost["fp8_flops"] < cost["flops"]

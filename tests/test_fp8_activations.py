@@ -315,7 +315,8 @@ def test_tpu_compiles_the_reference():
 
 def test_model_with_fp8_activations(tmp_path, monkeypatch):
     """The model with `fp8_activations` (a native FP8/FP4 conversion of the small parity config, on
-    CPU: the reference's quantize-then-multiply in plain JAX for every FP8 linear) gives the
+    CPU: the reference's quantize-then-multiply in plain JAX for every FP8 linear, the routed
+    experts' inputs rounded as `test_routed_experts_with_fp8_activations` checks) gives the
     logits of the same model whose FP8 linears multiply the dequantized act_quant of their input
     (q * s) by the dequantized weight (within 1e-5 of the largest logit: fp32 sums in another
     order), and they are not those of the activations as they are (the mode is on: e4m3 keeps
@@ -345,3 +346,42 @@ def test_model_with_fp8_activations(tmp_path, monkeypatch):
     scale = np.abs(want).max()
     assert np.abs(quantized - want).max() <= 1e-5 * scale
     assert np.abs(quantized - plain).max() > 0.05 * scale
+
+
+def test_routed_experts_with_fp8_activations():
+    """The routed experts in the mode (their FP4 weights have no FP8-activation kernel): x and
+    each down projection's input rounded as `act_quant` rounds them (`moe.fp8_rounded`, bit for
+    bit q s of the numpy model), then the products as usual; on CPU's blocks and the grouped form
+    (TPU/GPU's, here with the grouped matmul's reference) both equal a float64 numpy composition
+    of the reference's expert within fp32 sums (1e-5 of the largest output)."""
+    from dsv4_jax import moe
+
+    rng = np.random.default_rng(0)
+    T, k, E, D, I, limit = 12, 2, 4, 256, 160, 7.0
+    x = (rng.standard_normal((T, D)) * 2.0 ** rng.integers(-6, 6, (T, 1))).astype(np.float32)
+    q, s = np_act_quant(x)
+    rounded = np.asarray(moe.fp8_rounded(jnp.asarray(x), True))
+    np.testing.assert_array_equal(rounded, q.astype(np.float32) * np.repeat(s, BLOCK, axis=-1)[:, :D])
+    assert np.abs(rounded - x).max() > 0  # the rounding is on
+    w1, w3 = (rng.standard_normal((E, I, D)).astype(np.float32) * 0.1 for _ in range(2))
+    w2 = rng.standard_normal((E, D, I)).astype(np.float32) * 0.1
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+
+    def fp8(a):
+        q, s = np_act_quant(a)
+        return q.astype(np.float64) * np.repeat(s, BLOCK, axis=-1)[..., :a.shape[-1]]
+
+    want = np.zeros((T, D))
+    xr = fp8(x)
+    for t in range(T):
+        for j, e in enumerate(experts[t]):
+            h1, h3 = w1[e] @ xr[t], w3[e] @ xr[t]
+            h = np.minimum(h1, limit) / (1 + np.exp(-np.minimum(h1, limit))) * np.clip(h3, -limit, limit)
+            want[t] += w2[e] @ fp8((h * weights[t, j]).astype(np.float32)[None])[0]
+    args = (jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(w1), jnp.asarray(w2),
+            jnp.asarray(w3), limit)
+    for got in (moe.routed_experts(*args, fp8_activations=True), moe._grouped(*args, None, None, True)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    plain = np.asarray(moe.routed_experts(*args))
+    assert np.abs(plain - want).max() > 1e-3 * np.abs(want).max()

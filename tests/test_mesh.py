@@ -302,7 +302,7 @@ def test_ragged_all_to_all_exchange_equals_one_device(native, single, monkeypatc
 
     monkeypatch.setattr(moe, "EXCHANGE_CAPACITY", capacity)
     monkeypatch.setattr(moe, "ragged_all_to_all", _ragged_all_to_all_twin)
-    monkeypatch.setattr(moe, "_gathered", lambda *a, limit, ep, gather: moe._exchanged(*a, limit=limit, ep=ep))
+    monkeypatch.setattr(moe, "_gathered", lambda *a, gather, **kw: moe._exchanged(*a, **kw))
     mesh = sharding.make_mesh(shape)
     model = dsv4_jax.load(native, mesh=mesh, layout=layout, expert_exchange="ragged_all_to_all")
     assert moe.expert_exchange(model.config, mesh) == "ragged_all_to_all"

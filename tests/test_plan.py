@@ -184,3 +184,21 @@ def test_module_entry_point(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     ours = [line for line in r.stderr.splitlines() if line.startswith("dsv4-plan: error: ")]
     assert len(ours) == 1 and "is not valid JSON" in ours[0]
+
+
+def test_roofline_runs_fp8_flops_at_the_fp8_rate():
+    """`_step_figures`: of a step's flops, those of the FP8 tensor-core kernel (`fp8_flops`) take
+    the device's FP8 peak, the rest its bf16 peak (H200: 1979 and 989 dense TFLOP/s); a device
+    without FP8 (v5p) runs them all at bf16."""
+    import types
+
+    for target, fp8_peak in (("h200x8", 1978.9e12), ("v5p-8", None)):
+        dev = aot.target(target).spec
+        assert dev.peak_fp8_flops == fp8_peak
+        cost = {"flops": 3e12, "fp8_flops": 2e12, "bytes_accessed": 1e6, "collective_bytes": 0.0, "xla_flops": 0.0,
+                "xla_bytes_accessed": 0.0, "loops": []}
+        step = plan._step_figures(types.SimpleNamespace(target=target), plan.Compiled({}, cost),
+                                  {"total": 1e6}, 1)
+        want = 1e12 / dev.peak_bf16_flops + 2e12 / (fp8_peak or dev.peak_bf16_flops)
+        assert step["bound"] == "compute" and step["fp8_flops"] == 2e12
+        assert step["roofline_ms"] == pytest.approx(want * 1e3)
