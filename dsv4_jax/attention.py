@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 from pallas_kernels._dispatch import dispatch
 
+from . import xla_cpu
 from .config import CSA, ModelConfig
 from .indexer import indexer_scores, select_topk
 from .layer_weights import LayerSlice, own_weight, with_weight
@@ -63,11 +64,9 @@ def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: Mod
         return z.astype(wo_a.dtype).reshape(B, T, -1)
 
     wo_a = p["wo_a"]
-    if isinstance(wo_a, LayerSlice):  # the layer stack: read in place by the kernel on TPU and GPU
-        kernel = partial(_grouped_output, cfg=cfg)
-        z = jax.lax.platform_dependent(wo_a, o, tpu=kernel, cuda=kernel, default=grouped)
-    else:
-        z = with_weight(grouped, wo_a, o)
+    # a layer of the stack: read in place by the kernel on TPU and GPU
+    device = partial(_grouped_output, cfg=cfg) if isinstance(wo_a, LayerSlice) else grouped
+    z = xla_cpu.choose(wo_a, o, cpu=partial(with_weight, grouped), device=device)
     return dense(z, p["wo_b"], cfg)
 
 

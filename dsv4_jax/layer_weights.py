@@ -1,4 +1,6 @@
-"""One buffer per layer for the large weights, for `generate` on CPU.
+"""The forms a layer's weight takes in the layer scan: a stacked weight read in place
+(`LayerSlice`), and one buffer per layer for the large weights, for `generate` on CPU
+(dsv4_jax/xla_cpu.py runs them).
 
 Inside the layer scan a layer reads its weights out of the stacked arrays with a dynamic slice.
 TPU and GPU compilers fuse that slice into the matmul that consumes it; XLA:CPU does not: it
@@ -11,7 +13,7 @@ its own with a `lax.switch` over the layers wrapped around the op that reads it
 further, one buffer per (layer, expert) (`PerExpert` leaves), since a gather of the chosen
 experts out of a layer's `[E, ...]` stack is a copy too: a layer reaches an expert with a switch
 over the layers, then over the layer's experts, wrapped around that expert's whole FFN
-(`with_expert`). The split costs one copy of those weights per `generate` call, held while it
+(`xla_cpu.with_expert`). The split costs one copy of those weights per `generate` call, held while it
 runs.
 """
 
@@ -68,9 +70,9 @@ class LayerWeight:
         return jax.lax.switch(self.index, [partial(fn, p) for p in self.parts], *args)
 
 
-# Plain (unquantized) stacked weights that a kernel reads in place (attention.output's wo_a): with
-# every QuantizedWeight, `take_layer` gives them as LayerSlices.
-IN_PLACE = ("wo_a",)
+# Plain (unquantized) stacked weights that a kernel reads in place (attention.output's wo_a, the
+# routed experts): with every QuantizedWeight, `take_layer` gives them as LayerSlices.
+IN_PLACE = ("wo_a",) + ROUTED
 
 
 @struct.dataclass
@@ -116,27 +118,11 @@ class PerExpert:
 
 @struct.dataclass
 class LayerExperts:
-    """Layer `index`'s experts from a PerExpert (read through `with_expert`)."""
+    """Layer `index`'s experts from a PerExpert (read through `xla_cpu.with_expert`)."""
 
     parts: tuple
     index: jnp.ndarray
     n_experts: int = struct.field(pytree_node=False)
-
-
-def with_expert(weights: tuple, e: jnp.ndarray, fn, *args):
-    """fn(expert e's weight from each of `weights` (LayerExperts of one layer), *args): a switch
-    over the layers, then over that layer's experts, each branch reading its buffers in place.
-    (One flat switch over every (layer, expert) hands each branch all the buffers: flash-mini's
-    decode loop compiled in about 10.8 s against 9.5 s.)"""
-    n = weights[0].n_experts
-
-    def layer(i):
-        def experts(e, *args):
-            own = zip(*(w.parts[i * n:(i + 1) * n] for w in weights))
-            return jax.lax.switch(e, [partial(fn, *ws) for ws in own], *args)
-        return experts
-
-    return jax.lax.switch(weights[0].index, [layer(i) for i in range(len(weights[0].parts) // n)], e, *args)
 
 
 def _is_leaf(x) -> bool:

@@ -14,7 +14,8 @@ another order). Where it runs depends on the platform the program is lowered for
 * otherwise (no config, the per-device code of the routed experts; FP4): by its scale blocks
   (`QuantizedWeight.matmul`: XLA fuses the dequantization into the product instead of writing
   the weight out);
-* CPU: the whole dequantized weight (bit for bit a dequantized checkpoint's products and sums).
+* CPU: the whole dequantized weight (bit for bit a dequantized checkpoint's products and sums;
+  `xla_cpu.dense`).
 
 With `ModelConfig.fp8_activations` an FP8 weight's input is quantized to e4m3 per 128 columns
 first and the products are DeepSeek's reference `fp8_gemm`'s (`pallas_kernels.fp8_activation_matmul`:
@@ -25,7 +26,6 @@ its input: the quantization blocks of 128 columns stay whole on a device).
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -33,8 +33,9 @@ import jax.numpy as jnp
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
+from . import xla_cpu
 from .config import ModelConfig
-from .layer_weights import LayerSlice, LayerWeight, own_weight, with_weight
+from .layer_weights import LayerSlice, LayerWeight, own_weight
 from .quantized import FP8, QuantizedWeight
 from .sharding import active, per_device, rows_axis
 
@@ -47,16 +48,24 @@ def weight_array(w) -> jnp.ndarray:
 def dense(x: jnp.ndarray, w, cfg: ModelConfig | None = None) -> jnp.ndarray:
     """x `[..., in]`, w `[out, in]` (array, QuantizedWeight, LayerSlice or LayerWeight) ->
     `[..., out]` in w's dtype. cfg, the model's, lets a quantized weight take the matmul kernel
-    on TPU (its `attention_impl` choice, per device on its mesh); code already running per
-    device passes none."""
+    on TPU and GPU (its `attention_impl` choice, per device on its mesh); code already running
+    per device passes none."""
+    product = None
     if cfg is not None and cfg.fp8_activations and _fp8(w):
-        fp8_activations = partial(_kernel, cfg=cfg, matmul=pallas_kernels.fp8_activation_matmul)
-        return w.apply(fp8_activations, x) if isinstance(w, LayerWeight) else fp8_activations(w, x)
+        product = partial(_kernel, cfg=cfg, matmul=pallas_kernels.fp8_activation_matmul)
+    return xla_cpu.choose(w, x, cpu=partial(xla_cpu.dense, product=product),
+                          device=product or partial(_on_device, cfg=cfg))
+
+
+def _on_device(w, x: jnp.ndarray, cfg: ModelConfig | None) -> jnp.ndarray:
+    """`dense` on TPU and GPU: a blocked FP8 weight by the matmul kernel (given cfg), any other
+    quantized one by its scale blocks, a plain one by XLA's product."""
     if isinstance(w, (QuantizedWeight, LayerSlice)) and w.blocked():
-        kernel = (partial(_kernel, cfg=cfg, matmul=pallas_kernels.quantized_matmul)
-                  if cfg is not None and w.fmt == FP8 else _blocked)
-        return jax.lax.platform_dependent(w, x, cpu=_dense_whole, tpu=kernel, cuda=kernel, default=_blocked)
-    return with_weight(_dense_whole, w, x)
+        if cfg is not None and w.fmt == FP8:
+            return _kernel(w, x, cfg, pallas_kernels.quantized_matmul)
+        return _blocked(w, x)
+    wd = weight_array(own_weight(w))
+    return jnp.einsum("...i,oi->...o", x.astype(wd.dtype), wd, preferred_element_type=jnp.float32).astype(wd.dtype)
 
 
 def _fp8(w) -> bool:
@@ -95,32 +104,3 @@ def _summed(matmul, axes, x, w, **kw):
     """matmul's partial product over this device's share of the input dim, summed over `axes`
     in fp32 and rounded once."""
     return jax.lax.psum(matmul(x, w, **kw).astype(jnp.float32), axes).astype(x.dtype)
-
-
-def _dense_whole(w, x: jnp.ndarray) -> jnp.ndarray:
-    wd = weight_array(own_weight(w))
-    x = x.astype(wd.dtype)
-    if _in_halves(x, wd):
-        n, k = wd.shape
-        xs = jnp.broadcast_to(x, (2,) + x.shape)
-        y = jnp.einsum("p...i,poi->...po", xs, wd.reshape(2, n // 2, k),
-                       preferred_element_type=jnp.float32).reshape(*x.shape[:-1], n)
-    else:
-        y = jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=jnp.float32)
-    return y.astype(wd.dtype)
-
-
-# A weight of at least this many elements, multiplied by few enough rows that the product stays under
-# HALVES_MAX_PRODUCT multiply-adds, goes as a batch of two half-weight products on CPU (`_in_halves`).
-HALVES_MIN_ELEMENTS = 1 << 17
-HALVES_MAX_PRODUCT = 1 << 20
-
-
-def _in_halves(x: jnp.ndarray, w: jnp.ndarray) -> bool:
-    """Whether to multiply by w as two halves of its rows in one batched product: XLA:CPU runs a
-    product of a few rows by a 1-4 MB (fp32) weight on one thread, and the batched form on both
-    (decode's projections: about 1.6x). Larger products are threaded already; TPU and GPU need
-    none of this."""
-    rows = math.prod(x.shape[:-1])
-    return (jax.default_backend() == "cpu" and w.ndim == 2 and w.shape[0] % 2 == 0
-            and w.size >= HALVES_MIN_ELEMENTS and rows * w.size < HALVES_MAX_PRODUCT)

@@ -26,7 +26,7 @@ from .config import CSA, HCA, WINDOW, ModelConfig
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .cache import indexer_state_layers, init_cache
 from .index_cache import index_cache_schedule
-from .layer_weights import PerExpert, take_layer
+from .layer_weights import take_layer
 from .linear import dense
 from .moe import learned_choice, route, routed_experts, routed_experts_on_mesh, router_scores, shared_expert
 from .norms import rms_norm
@@ -67,9 +67,9 @@ class LayerSchedule:
                    index_local, (ratios != WINDOW).astype(np.int32), is_hash, route_local.astype(np.int32))
 
 
-def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarray, is_hash, route_local,
+def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, route_local,
          cfg: ModelConfig) -> jnp.ndarray:
-    """MoE of layer `layer_index` (its weights: `layer`) on x `[B, S, D]` (already ffn-normed);
+    """MoE of a layer (its weights: `layer`, from `take_layer`) on x `[B, S, D]` (already ffn-normed);
     ids `[B, S]` for hash routing."""
     B, S, D = x.shape
     f = layer["ffn"]
@@ -86,16 +86,12 @@ def _moe(params: dict, layer: dict, layer_index, x: jnp.ndarray, ids: jnp.ndarra
     else:
         experts = learned_choice(scores, take_layer(params["gate_bias"], route_local), k)
     weights = route(scores, experts, cfg.routed_scaling_factor)
-    stacks = params["layers"]["ffn"]
-    if isinstance(stacks["w1"], PerExpert):  # CPU generate: each expert's own buffers
-        routed = routed_experts(xt, experts, weights, f["w1"], f["w2"], f["w3"], cfg.swiglu_limit,
+    routed_weights = f["w1"], f["w2"], f["w3"]  # read in place in the stacks (see `take_layer`)
+    if sharding.active(cfg) is not None:  # expert parallel: tokens exchanged between devices
+        routed = routed_experts_on_mesh(xt, experts, weights, *routed_weights, cfg.swiglu_limit, cfg)
+    else:
+        routed = routed_experts(xt, experts, weights, *routed_weights, cfg.swiglu_limit,
                                 fp8_activations=cfg.fp8_activations)
-    elif sharding.active(cfg) is not None:  # expert parallel: tokens exchanged between devices
-        routed = routed_experts_on_mesh(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"],
-                                        cfg.swiglu_limit, layer_index, cfg)
-    else:  # the chosen experts straight out of the stacks
-        routed = routed_experts(xt, experts, weights, stacks["w1"], stacks["w2"], stacks["w3"], cfg.swiglu_limit,
-                                layer=layer_index, fp8_activations=cfg.fp8_activations)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
@@ -285,7 +281,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
-    h = hc_post(_moe(params, layer, i, x, input_ids, is_hash, route_local, cfg), h, post, comb)
+    h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb)
     return (h, new, last_ids), overlap
 
 

@@ -13,7 +13,8 @@ from jax.lax import ragged_all_to_all  # a name here, so that a test can run the
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 
-from .layer_weights import LayerExperts, with_expert
+from . import xla_cpu
+from .layer_weights import LayerSlice
 from .linear import dense
 
 
@@ -44,16 +45,6 @@ def swiglu(h1: jnp.ndarray, h3: jnp.ndarray, limit: float) -> jnp.ndarray:
     return jax.nn.silu(h1) * h3
 
 
-def _block_size(rows: int, n_experts: int) -> int:
-    """Rows per expert block: 1 for decode-sized batches (each row reads only its own expert),
-    growing with the rows per expert for prefill (fewer weight gathers, bounded padding)."""
-    per_expert = rows // n_experts
-    b = 1
-    while b * 2 <= min(per_expert, 256):
-        b *= 2
-    return b
-
-
 def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None, cfg=None,
            fp8_activations: bool = False) -> jnp.ndarray:
     """One SwiGLU expert (w1/w3 `[I, D]`, w2 `[D, I]`) on rows x `[R, D]`: `[R, D]` in w2's dtype.
@@ -77,15 +68,10 @@ def down_input(h: jnp.ndarray, hw: jnp.ndarray | None, dtype, fp8_activations: b
 
 
 def fp8_rounded(x: jnp.ndarray, fp8_activations: bool) -> jnp.ndarray:
-    """x, or with fp8_activations x as `pallas_kernels.act_quant` rounds it (e4m3 per 128 columns
-    with power-of-two scales) in x's dtype: q s, exact in bf16 and fp32 (4 significant bits times
-    a power of two). The reference's FP4 GEMM multiplies q s by the weight blocks (converting FP4
-    to FP8 is exact), so x rounded this way, times the stored weight, is its product."""
-    if not fp8_activations:
-        return x
-    q, s = pallas_kernels.act_quant(x)
-    scales = jnp.repeat(s, 128, axis=-1)[..., :x.shape[-1]]
-    return (q.astype(jnp.float32) * scales).astype(x.dtype)
+    """x, or with fp8_activations x as `pallas_kernels.act_quant` rounds it (`act_quant_rounded`).
+    The reference's FP4 GEMM multiplies those values by the weight blocks (converting FP4 to FP8
+    is exact), so x rounded this way, times the stored weight, is its product."""
+    return pallas_kernels.act_quant_rounded(x) if fp8_activations else x
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
@@ -93,23 +79,27 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`:
-    arrays or QuantizedWeights, or LayerExperts (CPU generate: one buffer per expert, read in
-    place), or, with `layer`, the stacks `[L, E, ...]` of every layer: the chosen experts are then
-    gathered straight out of the stack (a layer's slice of the stack would be copied whole first).
+    arrays or QuantizedWeights; or one layer of the stacks `[L, E, ...]` of every layer
+    (LayerSlices, or the stacks themselves with `layer`): the chosen experts are then read
+    straight out of the stack (a layer's slice of the stack would be copied whole first); or
+    on CPU one buffer per expert (LayerExperts, dsv4_jax/layer_weights.py).
     With `first_expert` (expert parallelism: this device's share of the experts), w holds experts
     first_expert .. first_expert + E - 1 and the pairs choosing others are skipped.
-    Returns fp32 `[T, D]`. The (token, slot) rows are sorted by expert: on TPU and GPU into
-    groups that `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights
-    (`_grouped`), on CPU into blocks of b rows that each belong to one expert (`_by_blocks`). Either way
-    the work is T*k rows (plus, in blocks, at most b-1 padding rows per expert), never all
-    experts for every token. fp8_activations: as for `expert`.
+    Returns fp32 `[T, D]`. The (token, slot) pairs are sorted by expert into groups that
+    `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights (`_grouped`;
+    on CPU `xla_cpu.routed_experts`): the work is T*k rows, never all experts for every token.
+    fp8_activations: as for `expert`.
     """
-    args = (x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations)
-    if isinstance(w1, LayerExperts):  # CPU only
-        return _by_blocks(*args)
-    grouped = lambda *a: _grouped(*a, *args[3:])  # noqa: E731
-    return jax.lax.platform_dependent(*args[:3], tpu=grouped, cuda=grouped,
-                                      default=lambda *a: _by_blocks(*a, *args[3:]))
+    if isinstance(w1, LayerSlice):
+        w1, w2, w3, layer = w1.stack, w2.stack, w3.stack, w1.index
+
+    def ffn(w1, w2, w3, x, hw):  # one expert's rows, fp32 `[R, D]`
+        return expert(x, w1, w2, w3, limit, hw, fp8_activations=fp8_activations).astype(jnp.float32)
+
+    pairs = dict(layer=layer, first_expert=first_expert)
+    return xla_cpu.choose(x, experts, weights, w1, w2, w3,
+                          cpu=partial(xla_cpu.routed_experts, ffn=ffn, sorted_pairs=_sorted_pairs, **pairs),
+                          device=partial(_grouped, limit=limit, fp8_activations=fp8_activations, **pairs))
 
 
 ROUTED_SCOPE = "routed_experts"
@@ -128,7 +118,8 @@ def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
     return order, flat_e, counts
 
 
-def _grouped(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False) -> jnp.ndarray:
+def _grouped(x, experts, weights, w1, w2, w3, *, limit, layer=None, first_expert=None,
+             fp8_activations=False) -> jnp.ndarray:
     """`routed_experts` by grouped products (`_pair_outputs`), each token's pairs summed in fp32."""
     T, k = experts.shape
     y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations)
@@ -155,59 +146,6 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
     xs = fp8_rounded(x[order // experts.shape[1]], fp8_activations)
     h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
     return gmm(down_input(h, hw, w2.dtype, fp8_activations), w2), order
-
-
-def _by_blocks(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False) -> jnp.ndarray:
-    """`routed_experts` by blocks of b rows of one expert each, every block's expert gathered
-    out of the stack (or read in place, LayerExperts)."""
-    T, k = experts.shape
-    in_place = isinstance(w1, LayerExperts)
-    E = w1.n_experts if in_place else w1.shape[0] if layer is None else w1.shape[1]
-    rows = T * k
-    b = _block_size(rows, E)
-
-    def ffn(w1, w2, w3, x, hw):  # fp32 `[R, D]`
-        return expert(x, w1, w2, w3, limit, hw, fp8_activations=fp8_activations).astype(jnp.float32)
-
-    order, flat_e, counts = _sorted_pairs(experts, E, first_expert)
-    sorted_e, sorted_t, sorted_w = flat_e[order], order // k, weights.reshape(-1)[order]
-    if b == 1 and in_place:
-        return _each_pair(x, sorted_e, sorted_t, sorted_w, (w1, w2, w3), ffn)
-    n_blocks = -(-(rows + E * (b - 1)) // b)
-    padded = (counts + b - 1) // b * b
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
-    start = jnp.cumsum(counts) - counts
-    e = jnp.minimum(sorted_e, E - 1)
-    dest = jnp.where(sorted_e < E, padded_start[e] + jnp.arange(rows, dtype=jnp.int32) - start[e], n_blocks * b)
-    slot_token = jnp.full((n_blocks * b,), T, jnp.int32).at[dest].set(sorted_t, mode="drop")
-    slot_weight = jnp.zeros((n_blocks * b,), jnp.float32).at[dest].set(sorted_w, mode="drop")
-    block_expert = jnp.minimum(
-        jnp.searchsorted(padded_end, jnp.arange(n_blocks, dtype=jnp.int32) * b, side="right"), E - 1)
-
-    x_pad = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
-    xs = x_pad[slot_token].reshape(n_blocks, b, -1)
-    ws = slot_weight.reshape(n_blocks, b, 1)
-
-    def gathered(ids):  # the experts `ids` of each weight, `[len(ids), ...]`, still quantized
-        return [(w[ids] if layer is None else w[layer, ids]) for w in (w1, w2, w3)]
-
-    if b == 1 and first_expert is None:  # decode-sized: every row at once, each with its own expert's weights
-        y = jax.vmap(ffn)(*gathered(block_expert), xs, ws)
-    else:
-        # One block at a time, and only the blocks that hold rows (with expert parallelism, only
-        # this device's): on CPU a batched product over every block's gathered weights ran
-        # several times slower than this loop.
-        def block(n, y):
-            if in_place:
-                out = with_expert((w1, w2, w3), block_expert[n], ffn, xs[n], ws[n])
-            else:
-                out = ffn(*(w[0] for w in gathered(block_expert[n][None])), xs[n], ws[n])
-            return jax.lax.dynamic_update_index_in_dim(y, out, n, 0)
-
-        y = jax.lax.fori_loop(0, padded_end[-1] // b, block, jnp.zeros((n_blocks, b, x.shape[1]), jnp.float32))
-    out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[slot_token].add(y.reshape(n_blocks * b, -1))
-    return out[:T]
 
 
 # The rows a device takes per round of the ragged exchange, as a multiple of the T k pairs it
@@ -249,12 +187,13 @@ def expert_exchange(cfg, mesh) -> str:
     return "ragged_all_to_all" if layout.shards(EXPERTS, mesh) > EXCHANGE_CAPACITY else "all_gather"
 
 
-def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
-                           layer, cfg) -> jnp.ndarray:
-    """`routed_experts` with the stacks `[L, E, ...]` split over devices (dsv4_jax/sharding.py),
-    run per device, the tokens exchanged as `expert_exchange` chooses: by all-gather (`_gathered`)
-    or, on TPU and GPU, by ragged all-to-all (`_exchanged`). The partial outputs of the devices
-    that split an expert's width (and not the tokens) are summed by a psum."""
+def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1: LayerSlice,
+                           w2: LayerSlice, w3: LayerSlice, limit: float, cfg) -> jnp.ndarray:
+    """`routed_experts` with one layer of the stacks `[L, E, ...]` (LayerSlices), split over
+    devices (dsv4_jax/sharding.py), run per device, the tokens exchanged as `expert_exchange`
+    chooses: by all-gather (`_gathered`) or, on TPU and GPU, by ragged all-to-all (`_exchanged`).
+    The partial outputs of the devices that split an expert's width (and not the tokens) are
+    summed by a psum."""
     from .sharding import BATCH, EXPERT_MLP, EXPERTS, active, per_device
 
     mesh, layout = active(cfg), cfg.layout
@@ -267,7 +206,7 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     def local(*args):
         if expert_exchange(cfg, mesh) == "ragged_all_to_all":
             exchanged = partial(_exchanged, limit=limit, ep=ep, fp8_activations=fp8)
-            y = jax.lax.platform_dependent(*args, tpu=exchanged, cuda=exchanged, default=gathered)
+            y = xla_cpu.choose(*args, cpu=gathered, device=exchanged)
         else:
             y = gathered(*args)
         return jax.lax.psum(y, summed) if summed else y
@@ -275,7 +214,7 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     up, down = (None, EXPERTS, EXPERT_MLP, None), (None, EXPERTS, None, EXPERT_MLP)
     rows = (BATCH, None)
     run = per_device(cfg, local, (rows, rows, rows, up, down, up, None), rows)
-    return run(x, experts, weights, w1, w2, w3, layer)
+    return run(x, experts, weights, w1.stack, w2.stack, w3.stack, w1.index)
 
 
 def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_activations) -> jnp.ndarray:
@@ -333,23 +272,6 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
 
     back = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((T * k, x.shape[1]), w2.dtype))
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(back.astype(jnp.float32))
-
-
-def _each_pair(x, pair_expert, pair_row, pair_weight, w, ffn) -> jnp.ndarray:
-    """`routed_experts` for a decode-sized batch with LayerExperts w = (w1, w2, w3): each
-    (row, slot) pair (its expert, row and routing weight, `[T * k]` each, in expert order) as a
-    one-row FFN, so that an expert two rows chose is read again from cache. On CPU a product of
-    one row by a weight runs at several times the rate of a product of 8 rows by it (flash-mini
-    at batch 8: 21.7-22.4 against 17.6-18.5 ms a step, when each used expert ran once over all
-    the rows, with weight 0 on those that had not chosen it). x `[T, D]` -> fp32 `[T, D]`."""
-
-    def one(j, y):
-        t = pair_row[j]
-        out = with_expert(w, pair_expert[j], ffn, jax.lax.dynamic_slice_in_dim(x, t, 1),
-                          pair_weight[j].reshape(1, 1))
-        return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, t, 1) + out, t, 0)
-
-    return jax.lax.fori_loop(0, pair_expert.shape[0], one, jnp.zeros(x.shape, jnp.float32))
 
 
 def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float, cfg=None) -> jnp.ndarray:

@@ -61,7 +61,7 @@ from .moe import ROUTED_SCOPE, exchange_rows, expert_exchange as expert_exchange
 from .params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from .presets import PRESETS, preset  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
-from pallas_kernels.fp8_activations_gpu import KERNEL_NAME as FP8_ACTIVATION_KERNEL  # noqa: E402
+from pallas_kernels import fp8_activations_gpu, fp8_activations_tpu  # noqa: E402
 from .quantized import QuantizedWeight, storage_shapes  # noqa: E402
 
 WEIGHT_DTYPES = ("native", "bfloat16")
@@ -239,6 +239,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 ATTENTION_KERNEL = "dsv4_sparse_attention"
 GROUPED_KERNEL = "dsv4_grouped_matmul"
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
+# the kernels whose declared flops are FP8 products
+FP8_KERNELS = (fp8_activations_gpu.KERNEL_NAME, fp8_activations_tpu.KERNEL_NAME)
 
 
 # bytes one device sends per operand byte, by the collective's opcode (synchronous or -start) and
@@ -274,6 +276,26 @@ def _shape_bytes(text: str) -> int:
     return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(text))
 
 
+def _dims(type_text: str) -> tuple[int, ...]:
+    """The dimensions of an array type (`f8e4m3fn[256,4096]{1,0}`); () for anything else."""
+    m = _SHAPE.search(type_text)
+    return tuple(int(d) for d in m.group(2).split(",") if d) if m else ()
+
+
+def _contracted(line: str, op: str, lhs: tuple[int, ...], rhs: tuple[int, ...]) -> int:
+    """How many products each output element of a dot or convolution sums: a dot's contracting
+    dims of its lhs; a convolution's lhs feature dim ("f" in dim_labels) times its window."""
+    if op == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        return math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->", line)
+    if not labels:
+        return 1
+    lhs_labels, rhs_labels = labels.groups()
+    window = math.prod(rhs[i] for i, c in enumerate(rhs_labels) if c.isdigit())
+    return lhs[lhs_labels.index("f")] * window
+
+
 class _Module:
     """An optimized HLO module's text, split into computations, and XLA's cost analysis of any
     of them run as the entry."""
@@ -300,8 +322,9 @@ class _Module:
     def xla(self, comp: str) -> np.ndarray:
         """[flops, bytes accessed, collective bytes, FP8 flops] of computation `comp`: the first
         two by XLA's HloCostAnalysis, which counts a while loop's body once and a conditional's
-        costliest branch, the third (`collective_bytes`) counted the same way; the fourth, the
-        FP8 tensor-core kernels' share of the flops, is 0 (XLA counts no kernel's flops)."""
+        costliest branch, the third (`collective_bytes`) and the fourth (`fp8_product_flops`:
+        XLA's own products of two FP8 operands; a kernel's are its declared ones) counted the
+        same way."""
         from jax._src.lib import _jax  # the HLO cost analysis has no public entry point
         from jaxlib import _hlo
 
@@ -313,48 +336,77 @@ class _Module:
         module = _hlo.hlo_module_from_text(re.sub(r" stack_frame_id=\d+", "", "\n\n".join(parts)))
         cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
         return np.array([max(float(cost.get("flops", 0)), 0.0), max(float(cost.get("bytes accessed", 0)), 0.0),
-                         self.collective_bytes(comp), 0.0])
+                         self.collective_bytes(comp), self.fp8_product_flops(comp)])
 
     @functools.cache
-    def shapes(self, comp: str) -> dict[str, int]:
-        """The bytes of each instruction's result in computation `comp`, by name."""
+    def types(self, comp: str) -> dict[str, str]:
+        """Each instruction's result type in computation `comp` (`f8e4m3fn[256,4096]{1,0}`), by name."""
         out = {}
         for line in self.comps[comp][1:]:
             m = _INSTRUCTION.match(line)
             if m:
-                out[m.group(1)] = _shape_bytes(m.group(2))
+                out[m.group(1)] = m.group(2)
         return out
 
     @functools.cache
-    def collective_bytes(self, comp: str) -> float:
-        """The bytes one device sends in the collectives of computation `comp` (and of those it
-        calls, a while body once and a conditional's largest branch, as `xla` counts): with n
-        devices in a group and b the bytes of the operands, an all-gather sends (n - 1) b, a
-        reduce-scatter and an all-to-all (n - 1) / n b, an all-reduce 2 (n - 1) / n b, a
-        collective-permute b, and a ragged all-to-all (n - 1) / n of the smaller of its operand and
-        its output buffer (its actual sizes are data: when each row goes to any device alike, a
-        device receives as many rows as it sends, (n - 1) / n of them from other devices, and a
-        buffer sized for the most it could receive is mostly not sent)."""
+    def _total(self, comp: str, own: str) -> float:
+        """The sum over computation `comp`'s instructions of getattr(self, own)(comp, match), where
+        that is not None, and else of the `_total` of the computations an instruction calls: a
+        while body once and a conditional's costliest branch, as `xla` counts."""
         total = 0.0
         for line in self.comps[comp][1:]:
             m = _INSTRUCTION.match(line)
-            if m and m.group(3) in _COLLECTIVES:
-                operands = [self.shapes(comp).get(o, 0) for o in _NAME.findall(m.group(4).split(")")[0])]
-                # a ragged all-to-all's operands: the rows to send, the output buffer, the sizes
-                b = min(operands[:2]) if m.group(3).startswith("ragged") else sum(operands)
-                permute = m.group(3).startswith("collective-permute")  # (pairs, not groups)
-                total += _COLLECTIVES[m.group(3)](1 if permute else _group_size(line)) * b
+            figure = getattr(self, own)(comp, m) if m else None
+            if figure is not None:
+                total += figure
                 continue
             b = _BRANCHES.search(line) or _TRUE_FALSE.search(line)
             if b and " conditional(" in line:
                 names = ([x.strip().lstrip("%") for x in b.group(1).split(",")] if b.re is _BRANCHES
                          else list(b.groups()))
-                total += max(self.collective_bytes(n) for n in names)
+                total += max(self._total(n, own) for n in names)
                 continue
             w = _WHILE.search(line)
             called = [w.group(2)] if w and " while(" in line else _CALLS.findall(line)
-            total += sum(self.collective_bytes(c) for c in called if c in self.comps)
+            total += sum(self._total(c, own) for c in called if c in self.comps)
         return total
+
+    def collective_bytes(self, comp: str) -> float:
+        """The bytes one device sends in the collectives of computation `comp` (and of those it
+        calls, as `_total` counts): with n devices in a group and b the bytes of the operands, an
+        all-gather sends (n - 1) b, a reduce-scatter and an all-to-all (n - 1) / n b, an all-reduce
+        2 (n - 1) / n b, a collective-permute b, and a ragged all-to-all (n - 1) / n of the smaller
+        of its operand and its output buffer (its actual sizes are data: when each row goes to any
+        device alike, a device receives as many rows as it sends, (n - 1) / n of them from other
+        devices, and a buffer sized for the most it could receive is mostly not sent)."""
+        return self._total(comp, "_collective")
+
+    def _collective(self, comp: str, m: re.Match) -> float | None:
+        if m.group(3) not in _COLLECTIVES:
+            return None
+        types = self.types(comp)
+        operands = [_shape_bytes(types.get(o, "")) for o in _NAME.findall(m.group(4).split(")")[0])]
+        # a ragged all-to-all's operands: the rows to send, the output buffer, the sizes
+        b = min(operands[:2]) if m.group(3).startswith("ragged") else sum(operands)
+        permute = m.group(3).startswith("collective-permute")  # (pairs, not groups)
+        return _COLLECTIVES[m.group(3)](1 if permute else _group_size(m.group(0))) * b
+
+    def fp8_product_flops(self, comp: str) -> float:
+        """The flops of the products (dots, and convolutions as TPU writes them) of computation
+        `comp` and those it calls (as `_total` counts) whose operands are both FP8: the
+        FP8-activation mode's block products on TPU, which v7x's MXU runs at its FP8 rate. Each is
+        2 x its output's elements x its contracted length."""
+        return self._total(comp, "_fp8_product")
+
+    def _fp8_product(self, comp: str, m: re.Match) -> float | None:
+        if m.group(3) not in ("dot", "convolution"):
+            return None
+        types = self.types(comp)
+        operands = [types.get(o, "") for o in _NAME.findall(m.group(4).split(")")[0])[:2]]
+        dims = [_dims(t) for t in operands]
+        if not (all(t.startswith("f8") for t in operands) and all(dims)):
+            return 0.0
+        return 2.0 * math.prod(_dims(m.group(2))) * _contracted(m.group(0), m.group(3), *dims)
 
     def reaches(self, comp: str, needle: str) -> bool:
         """Whether computation `comp`, or any computation it names (fusions, loops, branches,
@@ -424,8 +476,8 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`). Collectives count the bytes a device sends in them
     (`_Module.collective_bytes`), loops and branches as above.
-    Returns {"flops", "fp8_flops" (those of the FP8-activation kernel, which run on the FP8
-    tensor cores), "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
+    Returns {"flops", "fp8_flops" (those of the FP8-activation kernels, which multiply FP8 on
+    Hopper's tensor cores and v7x's MXU, and of XLA's own products of two FP8 operands), "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
     (XLA's own figures, loops counted once), "loops": [{"trips", "assumed"}...]}."""
     mod = _Module(text)
     loops = []
@@ -438,7 +490,7 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                 declared = _DECLARED.search(line) or DECLARED_COST.search(line)
                 if declared:
                     flops = float(declared.group(1))
-                    out += [flops, float(declared.group(2)), 0.0, flops if FP8_ACTIVATION_KERNEL in line else 0.0]
+                    out += [flops, float(declared.group(2)), 0.0, flops if any(k in line for k in FP8_KERNELS) else 0.0]
                     if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
                         out[1] -= unchosen_bytes
                 else:
@@ -484,6 +536,11 @@ def branch_shares(cfg: ModelConfig) -> dict[int, float]:
     return {i: float(np.mean(sched.branch == i)) for i in range(len(sched.branches))}
 
 
+def local_tokens(s: Setup, tokens: int) -> int:
+    """The tokens of one device's own sequences per step of `tokens` tokens per sequence."""
+    return s.batch // s.shards(sharding.BATCH) * tokens
+
+
 def expert_tokens(s: Setup, tokens: int) -> int:
     """The tokens whose (token, expert) pairs one device's routed experts see per step of `tokens`
     tokens per sequence: its own sequences' tokens, times the devices it exchanges tokens with
@@ -491,7 +548,7 @@ def expert_tokens(s: Setup, tokens: int) -> int:
     all-to-all sends it pairs from the same devices the all-gather gathers from)."""
     ep_axes = set(s.layout.axes(sharding.EXPERTS, s.mesh)) | set(s.layout.axes(sharding.EXPERT_MLP, s.mesh))
     gathered = math.prod(s.mesh.shape[a] for a in s.layout.axes(sharding.BATCH, s.mesh) if a in ep_axes)
-    return s.batch // s.shards(sharding.BATCH) * gathered * tokens
+    return local_tokens(s, tokens) * gathered
 
 
 def chosen_share(cfg: ModelConfig, token_count: int) -> float:
@@ -517,8 +574,7 @@ def unchosen_expert_bytes(s: Setup, tokens: int) -> float:
     token_count = expert_tokens(s, tokens)
     rows = token_count * cfg.num_experts_per_tok
     if expert_exchange_of(s.cfg, s.mesh) == "ragged_all_to_all":
-        rows = exchange_rows(s.batch // s.shards(sharding.BATCH) * tokens, cfg.num_experts_per_tok,
-                             s.shards(sharding.EXPERTS))
+        rows = exchange_rows(local_tokens(s, tokens), cfg.num_experts_per_tok, s.shards(sharding.EXPERTS))
     declared = min(local, rows)
     return max(declared - local * chosen_share(cfg, token_count), 0.0) * per_expert
 

@@ -6,7 +6,7 @@ plain-JAX references (`*_ref`)."""
 from .compressor import compress
 from .compressor_ref import compress_ref
 from .fp8_activations import act_quant, fp8_activation_matmul
-from .fp8_activations_ref import fp8_activation_matmul_ref
+from .fp8_activations_ref import act_quant_rounded, fp8_activation_matmul_ref
 from .grouped_matmul import grouped_matmul
 from .grouped_matmul_ref import grouped_matmul_ref
 from .quantized_matmul import quantized_matmul
@@ -14,7 +14,7 @@ from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["act_quant", "compress", "compress_ref", "fp8_activation_matmul", "fp8_activation_matmul_ref",
+__all__ = ["act_quant", "act_quant_rounded", "compress", "compress_ref", "fp8_activation_matmul", "fp8_activation_matmul_ref",
            "grouped_matmul", "grouped_matmul_ref", "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
            "sparse_attention_ref"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._dispatch import dispatch
 from .fp8_activations_gpu import fp8_activation_matmul_gpu
 from .fp8_activations_ref import act_quant, fp8_activation_matmul_ref
+from .fp8_activations_tpu import fp8_activation_matmul_tpu
 
 __all__ = ["act_quant", "fp8_activation_matmul", "fp8_activation_matmul_ref"]
 
@@ -17,11 +18,12 @@ def fp8_activation_matmul(x, w, *, layer=None, impl: str = "auto"):
     """x `[..., K]` (bf16 or fp32) times w (a 2-d FP8 `QuantizedWeight` `[N, K]`) transposed, x
     quantized by `act_quant`: `[..., N]` in x's dtype (`fp8_activation_matmul_ref`'s contract).
     With `layer` (int scalar, may be traced), w is the stack `[L, N, K]` of every layer's weight,
-    of which the GPU kernel reads layer `layer` in place. impl: "ref" (plain JAX), "pallas" (the
-    Pallas-Triton kernel on CUDA, the same kernel in the Pallas interpreter on other platforms
-    but TPU) or "auto" (the kernel on CUDA, the reference elsewhere). On TPU both are the
-    reference: the MXUs of v5e, v5p and v6e take no FP8 operands, so a kernel would widen both
-    e4m3 tiles to bf16 for the MXU, which is what XLA does with the reference's block dots."""
+    of which the kernels read layer `layer` in place. impl: "ref" (plain JAX), "pallas" (the
+    Mosaic TPU kernel on TPU, the Pallas-Triton kernel on CUDA, the TPU kernel in the Pallas
+    interpreter elsewhere) or "auto" (the kernels on TPU and CUDA, the reference elsewhere).
+    Both kernels multiply the e4m3 operands as they are: on the FP8 tensor cores of Hopper, on
+    the MXU of TPU v7x (Mosaic widens them on chip for the MXUs of v5e, v5p and v6e, which take
+    no FP8)."""
     lead_axes = 1 if layer is not None else 0
     if getattr(w, "fmt", None) != "fp8" or w.ndim != 2 + lead_axes or w.shape[-1] != x.shape[-1]:
         stack = "[L, N, K]" if layer is not None else "[N, K]"
@@ -30,15 +32,16 @@ def fp8_activation_matmul(x, w, *, layer=None, impl: str = "auto"):
                          f"(needs an fp8 QuantizedWeight {stack} with K = {x.shape[-1]})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    own = w if layer is None else w[layer]
 
-    def run_gpu(x, interpret=False):
-        q, s = act_quant(x)
-        return fp8_activation_matmul_gpu(q, s, w.values, w.scale, out_dtype=x.dtype, layer=layer,
-                                         interpret=interpret)
+    def kernel(matmul, **kw):
+        def run(x):
+            q, s = act_quant(x)
+            return matmul(q, s, w.values, w.scale, out_dtype=x.dtype, layer=layer, **kw)
+        return run
 
     def ref(x):
-        return fp8_activation_matmul_ref(x, own)
+        return fp8_activation_matmul_ref(x, w if layer is None else w[layer])
 
-    run = dispatch(impl, ref=ref, tpu=ref, gpu=run_gpu, interpret=lambda x: run_gpu(x, interpret=True))
+    run = dispatch(impl, ref=ref, tpu=kernel(fp8_activation_matmul_tpu), gpu=kernel(fp8_activation_matmul_gpu),
+                   interpret=kernel(fp8_activation_matmul_tpu, interpret=True))
     return run(x2).reshape(lead + (w.shape[-2],))

@@ -46,6 +46,14 @@ def act_quant(x, block: int = BLOCK):
     return q.reshape(*lead, blocks * block)[..., :k], s
 
 
+def act_quant_rounded(x, block: int = BLOCK):
+    """x as `act_quant` rounds it, in x's dtype: q s per block (exact in bf16 and fp32: 4
+    significant bits times a power of two)."""
+    q, s = act_quant(x, block)
+    scales = jnp.repeat(s, block, axis=-1)[..., :x.shape[-1]]
+    return (q.astype(jnp.float32) * scales).astype(x.dtype)
+
+
 def _pow2(e):
     """float32 2^e for int32 e in the normal range [-126, 127], from its bits. y = amax/448 lies in
     [2.2e-7, 7.6e35] (amax floored at 1e-4, at most bf16's and fp32's 3.4e38, x finite), so e
@@ -60,8 +68,9 @@ def fp8_activation_matmul_ref(x, w):
     For each 128-wide K block kb, in K order: the block's product q_x @ q_w.T with fp32 sums,
     times s_x[:, kb] * s_w[nb, kb] (the two scales multiplied first), added into an fp32
     accumulator; rounded once to x's dtype at the end. The e4m3 operands go into the dot as
-    bf16, which holds every e4m3 value exactly, so the products are exact on every backend's
-    matrix unit (TPU's MXU takes bf16, not fp8)."""
+    they are: TPU v7x's MXU multiplies FP8; XLA widens them on chip for MXUs that take none
+    (v5e, v5p, v6e) and to fp32 on CPU. The products are exact either way (4 x 4 significant
+    bits)."""
     m, k = x.shape
     n = w.shape[0]
     q, s = act_quant(x)
@@ -73,12 +82,11 @@ def fp8_activation_matmul_ref(x, w):
 
     # The blocks in a loop unrolled at trace time, not one einsum into [Kb, M, N] partials: that
     # would be Kb times the output's memory (56 x 60 MiB for a 2048-token chunk of a 7168-wide
-    # projection). The slices are static and 128-aligned, so each dot's fusion reads its block
-    # of the weight in place and widens it to bf16 there (a traced block index makes a TPU
-    # re-lay out the whole weight first; widened before the loop, it would be copied whole).
+    # projection). The slices are static and 128-aligned, so each dot reads its block of the
+    # weight in place (a traced block index makes a TPU re-lay out the whole weight first).
     acc = jnp.zeros((m, n), jnp.float32)
     for b in range(blocks):
-        xb, wb = (a[:, b * BLOCK:(b + 1) * BLOCK].astype(jnp.bfloat16) for a in (q, qw))
+        xb, wb = (a[:, b * BLOCK:(b + 1) * BLOCK] for a in (q, qw))
         part = jnp.einsum("mk,nk->mn", xb, wb, preferred_element_type=jnp.float32)
         acc = acc + part * (s[:, b, None] * s_w[None, :, b])
     return acc.astype(x.dtype)

@@ -51,6 +51,23 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
     return tm, tn, tk
 
 
+def x_tiles(x, tm: int, tk: int) -> tuple[pl.BlockSpec, bool]:
+    """The BlockSpec of x `[M, K]` over the grid (i, j, k, layer): its row tile whole (`[TM, K
+    rounded up to 128]`: fetched once, sliced per K step in VMEM) when that fits
+    X_RESIDENT_BYTES, else `[TM, TK]` per K step; and whether it is whole."""
+    padded_k = pl.cdiv(x.shape[1], BLOCK) * BLOCK
+    if tm * padded_k * x.dtype.itemsize <= X_RESIDENT_BYTES:
+        return pl.BlockSpec((tm, padded_k), lambda i, j, kk, l: (i, 0)), True
+    return pl.BlockSpec((tm, tk), lambda i, j, kk, l: (i, kk)), False
+
+
+def weight_read(row_tiles: int, values, scale) -> int:
+    """The HBM bytes of one layer's FP8 weight (values `[L, N, K]`, scale `[L, ...]`) that a grid
+    with `row_tiles` row tiles of x reads: the values once per row tile, the scales once."""
+    return (row_tiles * math.prod(values.shape[1:]) * values.dtype.itemsize
+            + math.prod(scale.shape[1:]) * scale.dtype.itemsize)
+
+
 def _kernel(layer_ref, x_ref, v_ref, s_ref, o_ref, w_ref, acc_ref, *, k_total: int, tk: int):
     j, k = pl.program_id(1), pl.program_id(2)
     tm, tn = x_ref.shape[0], v_ref.shape[0]
@@ -102,18 +119,13 @@ def fp8_matmul_tpu(x, values, scale, *, layer=None, interpret: bool = False,
     if m < tm and k % tk:  # Mosaic masks whole row tiles only: a few rows are padded to one
         x = jnp.pad(x, ((0, tm - m), (0, 0)))
     grid = (pl.cdiv(m, tm), pl.cdiv(n, tn), pl.cdiv(k, tk))
-    padded_k = pl.cdiv(k, BLOCK) * BLOCK
-    resident = tm * padded_k * x.dtype.itemsize <= X_RESIDENT_BYTES
-    if resident:  # x's row tile whole: fetched once, sliced per K step in VMEM
-        x_spec = pl.BlockSpec((tm, padded_k), lambda i, j, kk, l: (i, 0))
-    else:
-        x_spec = pl.BlockSpec((tm, tk), lambda i, j, kk, l: (i, kk))
+    x_spec, resident = x_tiles(x, tm, tk)
     # Every stored byte of the layer once per row tile of x, its scales once, x once (per column
     # tile when it is not resident), the output once.
     x_reads = 1 if resident else grid[1]
-    read = grid[0] * n * k * values.dtype.itemsize + math.prod(scale.shape[1:]) * scale.dtype.itemsize
     cost = pl.CostEstimate(flops=2 * m * n * k, transcendentals=0,
-                           bytes_accessed=read + x_reads * x.size * x.dtype.itemsize + m * n * x.dtype.itemsize)
+                           bytes_accessed=weight_read(grid[0], values, scale)
+                           + x_reads * x.size * x.dtype.itemsize + m * n * x.dtype.itemsize)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=grid,

@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 from . import compress, sparse_attention  # noqa: E402
 from ._dispatch import DECLARED_COST  # noqa: E402
 from .fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
+from .fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
 from .grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from .grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
 from .quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
@@ -103,11 +104,12 @@ def _fp8_matmul_case(m: int, n: int, k: int) -> dict:
 
 def _fp8_activation_matmul_case(m: int, n: int, k: int) -> dict:
     """x `[m, k]` quantized as `act_quant` leaves it (e4m3, float32 scales per 128) times a Flash
-    FP8 weight `[n, k]`: the FP8 tensor-core kernel, GPU only (TPU runs the reference)."""
+    FP8 weight `[n, k]`: e4m3 x e4m3 on Hopper's FP8 tensor cores and v7x's MXU."""
     blocks = (-(-n // 128), -(-k // 128))
     args = (S((m, k), jnp.float8_e4m3fn), S((m, blocks[1]), F32), S((n, k), jnp.float8_e4m3fn), S(blocks, F32))
     minimum = n * k + 4 * blocks[0] * blocks[1] + m * k + 4 * m * blocks[1] + 2 * m * n
-    return {"fn": {"cuda": lambda q, s, v, w: fp8_activation_matmul_gpu(q, s, v, w, out_dtype=BF16)}, "args": args,
+    return {"fn": {"tpu": lambda q, s, v, w: fp8_activation_matmul_tpu(q, s, v, w, out_dtype=BF16),
+                   "cuda": lambda q, s, v, w: fp8_activation_matmul_gpu(q, s, v, w, out_dtype=BF16)}, "args": args,
             "shapes": {"M": m, "N": n, "K": k, "x": "e4m3 + float32 scales per 128", "out": "bfloat16"},
             "minimum_bytes": minimum}
 

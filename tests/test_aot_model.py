@@ -225,3 +225,21 @@ def test_fp8_activations_take_the_fp8_tensor_core_kernel(tmp_path):
     # dsv4-plan counts their declared flops apart, to run at the FP8 rate in its roofline
     cost = plan.program_cost(result.compiled.as_text(), 1.0, plan.branch_shares(s.cfg), "cuda")
     assert 0 < cost["fp8_flops"] < cost["flops"]
+
+
+def test_fp8_activations_feed_the_v7x_mxu_fp8(tmp_path):
+    """With fp8_activations on tpu7x-8 (prefill chunk, default layout), the FP8 linears run the
+    FP8-activation kernel (e4m3 x e4m3 on v7x's MXU: tests/test_fp8_activations.py reads its
+    matmuls), the bf16-activation FP8 kernel none of them, and dsv4-plan counts the kernel's
+    flops apart (`fp8_flops`) at the FP8 rate."""
+    from dsv4_jax import plan
+    from pallas_kernels import fp8_activations_tpu
+
+    s, result = _compiled_small(tmp_path, "tpu7x-8", "dp_attention", 16, fp8_activations=True)
+    calls = aot.kernel_calls(result.compiled, "tpu")
+    assert fp8_activations_tpu.KERNEL_NAME in calls and "dsv4_fp8_matmul" not in calls
+    cost = plan.program_cost(result.compiled.as_text(), 1.0, plan.branch_shares(s.cfg), "tpu")
+    assert 0 < cost["fp8_flops"] < cost["flops"]
+    plain = _compiled_small(tmp_path, "tpu7x-8", "dp_attention", 16)[1].compiled
+    assert fp8_activations_tpu.KERNEL_NAME not in aot.kernel_calls(plain, "tpu")
+    assert plan.program_cost(plain.as_text(), 1.0, plan.branch_shares(s.cfg), "tpu")["fp8_flops"] == 0

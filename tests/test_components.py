@@ -23,12 +23,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_jax import attention as ours_attn  # noqa: E402
-from dsv4_jax import layer_weights, moe  # noqa: E402
-from dsv4_jax.linear import _in_halves, dense  # noqa: E402
+from dsv4_jax import layer_weights, moe, xla_cpu  # noqa: E402
+from dsv4_jax.linear import dense  # noqa: E402
 from dsv4_jax.config import CSA, HCA, ModelConfig, Yarn  # noqa: E402
 from dsv4_jax.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
 from dsv4_jax.indexer import indexer_scores, select_topk  # noqa: E402
-from dsv4_jax.moe import (_block_size, learned_choice, route, routed_experts, router_scores,  # noqa: E402
+from dsv4_jax.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
                           shared_expert)
 from dsv4_jax.rope import apply_rope, cos_sin, inv_freq, layer_inv_freqs  # noqa: E402
 from pallas_kernels import sparse_attention_ref  # noqa: E402
@@ -646,7 +646,7 @@ def test_experts(T, routing, monkeypatch):
     w = torch.rand(T, k, generator=g) + 0.1
     w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
 
-    b = _block_size(T * k, E)
+    b = xla_cpu.block_size(T * k, E)
     assert (b == 1) if T < 16 else (b > 1)
     counts = np.bincount(_n(idx).ravel(), minlength=E)
     if routing == "skewed":
@@ -682,11 +682,11 @@ def test_experts(T, routing, monkeypatch):
     # TPU's form (moe._grouped: the pairs' rows grouped by expert for
     # pallas_kernels.grouped_matmul, here its reference): plain, from the layer stacks, and with
     # the experts split over two devices (each runs its own half, the sum is the whole)
-    grouped = jax.jit(moe._grouped, static_argnums=(6,))
+    grouped = jax.jit(partial(moe._grouped, limit=limit))
     args = (_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w))
-    assert_close(grouped(*args, w1, w2, w3, limit, None, None), routed_t, 1e-5, "grouped routed experts")
-    assert_close(grouped(*args, *stack, limit, jnp.int32(1), None), routed_t, 1e-5, "grouped, from layer stacks")
-    halves = [grouped(*args, *(wi[e0:e0 + E // 2] for wi in (w1, w2, w3)), limit, None, jnp.int32(e0))
+    assert_close(grouped(*args, w1, w2, w3), routed_t, 1e-5, "grouped routed experts")
+    assert_close(grouped(*args, *stack, layer=jnp.int32(1)), routed_t, 1e-5, "grouped, from layer stacks")
+    halves = [grouped(*args, *(wi[e0:e0 + E // 2] for wi in (w1, w2, w3)), first_expert=jnp.int32(e0))
               for e0 in (0, E // 2)]
     assert_close(_n(halves[0]) + _n(halves[1]), routed_t, 1e-5, "grouped, experts over two devices")
     assert_close(shared, shared_t, 1e-5, "shared expert")
@@ -708,13 +708,13 @@ def test_experts(T, routing, monkeypatch):
                                                   (64, 512, 512, False), (1, 128, 512, False)])
 def test_dense_in_halves(rows, out, inp, halves):
     """On CPU a projection of a few rows by a mid-sized weight runs as two half-weight products
-    batched (linear._in_halves; decode's speed): the same values as one product, and only where
+    batched (xla_cpu.in_halves; decode's speed): the same values as one product, and only where
     meant. Tolerance 1e-6 relative: the same fp32 dot products over `inp` inputs, grouped
     differently by the matmul library (observed ~1e-7)."""
     g = np.random.default_rng(rows + out)
     x = jnp.asarray(g.standard_normal((rows, 3, inp)), jnp.float32)[:, :1]
     w = jnp.asarray(g.standard_normal((out, inp)), jnp.float32)
-    assert _in_halves(x, w) == (halves and jax.default_backend() == "cpu")
+    assert xla_cpu.in_halves(x, w) == halves
     y = jax.jit(dense)(x, w)
     ref = np.einsum("rti,oi->rto", np.asarray(x, np.float64), np.asarray(w, np.float64))
     assert y.shape == (rows, 1, out)

@@ -1,7 +1,8 @@
 """FP8-activation matmul (pallas_kernels/fp8_activations*.py): `act_quant` bit for bit against a
 numpy model of DeepSeek's reference rounding, `fp8_activation_matmul_ref` against a float64
-model of the whole GEMM, the Pallas-Triton kernel in the Pallas interpreter on CPU against the
-reference, and its compile for an H100 (XLA's CUDA compiler, Triton and ptxas, sm_90a, no GPU
+model of the whole GEMM, the Mosaic TPU and Pallas-Triton kernels in the Pallas interpreter on
+CPU against the reference, the TPU kernel's compile for v5p-8 and tpu7x-8 (its matmuls on e4m3
+operands) and the GPU kernel's for an H100 (XLA's CUDA compiler, Triton and ptxas, sm_90a, no GPU
 needed), whose PTX must use the FP8 tensor cores.
 
 Tolerances. The numpy model is independent of the JAX code: scales from `np.frexp` (2^ceil(log2
@@ -14,8 +15,9 @@ Kb - 1 additions of the blocks; so per output |ref - model| <= (128 + Kb) 2^-24 
 first-order bound of recursive fp32 summation; unit roundoff 2^-24). bf16 output adds its
 one rounding, at most 2^-8 |value|. Kernel against reference (`_close`): both within `_bound` of
 the same model, so 2 `_bound` apart in fp32; in bf16 the two roundings may then differ by one
-bf16 ulp, at most 2^-7 |ref|. The interpreter runs the kernel's block dots in fp32 like the
-reference, so in practice the two agree bit for bit; the bounds do not assume it. On a GPU the
+bf16 ulp, at most 2^-7 |ref|. The interpreter runs the kernels' block dots in fp32 like the
+reference (the GPU kernel's agree with it bit for bit in practice, the TPU kernel's sum the
+products of a block in another order); the bounds do not assume either. On a GPU the
 kernel's in-block sums are the FP8 MMA's (fewer bits than fp32, as DeepSeek's own kernel):
 nothing here runs on a GPU, and the compile tests prove the kernel lowers for sm_90a to FP8
 wgmma, not its speed or the MMA's rounding.
@@ -38,6 +40,7 @@ from test_kernels import _fp8_weight  # noqa: E402
 
 from dsv4_jax.quantized import QuantizedWeight  # noqa: E402
 from pallas_kernels import fp8_activations_gpu as fag  # noqa: E402
+from pallas_kernels import fp8_activations_tpu as fat  # noqa: E402
 from pallas_kernels.fp8_activations import act_quant, fp8_activation_matmul, fp8_activation_matmul_ref  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -177,28 +180,44 @@ def test_ref_matches_the_float64_model(m, n, k, dtype, float_scales):
     assert (err <= _bound(x, w) + rounding).all()
 
 
-# ----------------------------------------------------------------------------- the GPU kernel, interpreted
+# ----------------------------------------------------------------------------- the kernels, interpreted
 
-@pytest.mark.parametrize("m, n, k", [(1, 200, 300), (3, 200, 300), (64, 200, 300), (512, 200, 300), (64, 136, 256)])
-def test_kernel_matches_ref(m, n, k):
-    """M from decode (one 64-row tile, 16-row weight tiles) to a 512-token chunk (several row and
-    column tiles); N off the 128 blocks, K off them (the masked K tail zeroed) and on them."""
+def _interpreted(kernel):
+    """fp8_activation_matmul(x, w, layer=) by `kernel` ("tpu" or "gpu") in the Pallas interpreter."""
+    if kernel == "tpu":  # impl "pallas" off TPU and CUDA
+        return lambda x, w, layer=None: fp8_activation_matmul(x, w, layer=layer, impl="pallas")
+    matmul = fag.fp8_activation_matmul_gpu
+
+    def run(x, w, layer=None):
+        q, s = act_quant(x.reshape(-1, x.shape[-1]))
+        out = matmul(q, s, w.values, w.scale, out_dtype=x.dtype, layer=layer, interpret=True)
+        return out.reshape(x.shape[:-1] + (w.shape[-2],))
+    return run
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("m, n, k", [(1, 200, 300), (3, 200, 300), (8, 300, 700), (64, 200, 300), (512, 200, 300),
+                                     (64, 136, 256), (40, 384, 1024)])
+def test_kernel_matches_ref(kernel, m, n, k):
+    """M from decode (one row tile; the GPU kernel's 64 rows in 16-row weight tiles) to a
+    512-token chunk (several row and column tiles); N off the 128 blocks, K off them (the
+    masked K tail) and on them."""
     w = _fp8_weight(n, k, BF16, seed=m + n)
     x = jnp.asarray(_wide_range_x(m, k, seed=k + m), BF16)
-    out = fp8_activation_matmul(x, w, impl="pallas")
+    out = _interpreted(kernel)(x, w)
     assert out.shape == (m, n) and out.dtype == BF16
     _close(out, fp8_activation_matmul_ref(x, w), _bound(np.asarray(x.astype(F32)), w))
 
 
-def test_kernel_reads_a_layer_of_a_stack():
-    """With `layer` traced, through `fp8_activation_matmul` (the kernel in bf16, the reference in
-    fp32), x with leading axes."""
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernel_reads_a_layer_of_a_stack(kernel):
+    """With `layer` traced, x with leading axes, in bf16 and fp32."""
     parts = [_fp8_weight(200, 300, F32, seed=s) for s in (21, 22)]
     stack = QuantizedWeight(jnp.stack([p.values for p in parts]), jnp.stack([p.scale for p in parts]), fmt="fp8")
     x = _wide_range_x(6, 300, seed=5).reshape(2, 3, 300)
-    for dtype, impl in ((BF16, "pallas"), (F32, "ref")):
+    for dtype in (BF16, F32):
         xj = jnp.asarray(x, dtype)
-        run = jax.jit(lambda x, w, i, impl=impl: fp8_activation_matmul(x, w, layer=i, impl=impl))
+        run = jax.jit(lambda x, w, i: _interpreted(kernel)(x, w, layer=i))
         for i in (1, 0):
             out = run(xj, stack, jnp.int32(i))
             assert out.shape == (2, 3, 200) and out.dtype == dtype
@@ -207,12 +226,15 @@ def test_kernel_reads_a_layer_of_a_stack():
 
 
 def test_kernel_tiles_and_errors():
-    # Decode: one 64-row tile (wgmma's rows), the weight split for 2 programs per SM; prefill:
+    # GPU decode: one 64-row tile (wgmma's rows), the weight split for 2 programs per SM; prefill:
     # 128 x 128, shrunk (TN first) below one program per SM.
     assert fag.tiles(1, 4096) == (64, 16)
     assert fag.tiles(64, 65536) == (64, 128)
     assert fag.tiles(2048, 7168) == (128, 128)
     assert fag.tiles(512, 3072) == (128, 64)
+    # TPU: rows in whole e4m3 tiles of 32 up to 512, the weight in quantized_matmul's tiles
+    assert fat.tiles(1, 4096, 4096) == (32, 512, 1024)
+    assert fat.tiles(2048, 200, 300) == (512, 256, 384)
     w = _fp8_weight(200, 300, BF16, seed=1)
     x = jnp.zeros((4, 300), BF16)
     with pytest.raises(ValueError, match=r"x \(4, 256\) and an fp8 weight \[200, 300\]"):
@@ -231,15 +253,21 @@ def test_kernel_tiles_and_errors():
         fag.fp8_activation_matmul_gpu(q, s, w.values, w.scale, out_dtype=BF16, block_shape=(32, 16))
     with pytest.raises(ValueError, match=r"s \[4, 2\]"):
         fag.fp8_activation_matmul_gpu(q, s[:, :2], w.values, w.scale, out_dtype=BF16)
+    with pytest.raises(ValueError, match=r"TK of 128 dividing K rounded up to 128 \(384\)"):
+        fat.fp8_activation_matmul_tpu(q, s, w.values, w.scale, out_dtype=BF16, block_shape=(32, 128, 256))
+    with pytest.raises(ValueError, match=r"scales s \[4, 2\] for q \[4, 300\]: needs \[4, 3\]"):
+        fat.fp8_activation_matmul_tpu(q, s[:, :2], w.values, w.scale, out_dtype=BF16)
 
 
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 @pytest.mark.parametrize("m, n, k", [(1, 32768, 1024), (8, 4096, 4096), (2048, 7168, 2048), (3, 200, 300)])
-def test_kernel_declared_cost(m, n, k):
+def test_kernel_declared_cost(kernel, m, n, k):
     """The pallas_call's CostEstimate: 2 M N K flops; bytes at least what is stored and read (the
     weight's values and scales, x's e4m3 values and scales) and the bf16 output written."""
     kb = -(-k // BLOCK)
     args = (S((m, k), E4M3), S((m, kb), F32), S((n, k), E4M3), S((-(-n // BLOCK), kb), F32))
-    jaxpr = jax.make_jaxpr(lambda *a: fag.fp8_activation_matmul_gpu(*a, out_dtype=BF16))(*args)
+    matmul = fat.fp8_activation_matmul_tpu if kernel == "tpu" else fag.fp8_activation_matmul_gpu
+    jaxpr = jax.make_jaxpr(lambda *a: matmul(*a, out_dtype=BF16))(*args)
     [cost] = [e.params["cost_estimate"] for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert cost.flops == 2 * m * n * k
     assert cost.bytes_accessed >= n * k + 4 * -(-n // BLOCK) * kb + m * k + 4 * m * kb + 2 * m * n
@@ -297,20 +325,57 @@ def test_kernel_compiles_for_h100_with_fp8_tensor_cores(case):
     assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{tn}k32.f32.e4m3.e4m3"}, mmas
 
 
-def test_tpu_compiles_the_reference():
-    """On TPU (v5p, whose MXU takes no FP8 operands) impl "pallas" is the reference: compiled for
-    v5p-8, no Pallas kernel, and no instruction but the parameter holds the weight (each e4m3
-    block widens to bf16 inside its dot's fusion, not into a copy or a re-laid-out weight)."""
-    m, n, k = 8, 2048, 1024
+def _mosaic_matmuls(lowered_text: str) -> list[str]:
+    """The operand and result types of every matmul in the Mosaic kernels of a program lowered
+    for TPU (each kernel's MLIR, serialized in its custom call's backend config)."""
+    import base64
+
+    from jax._src.lib import tpu  # Mosaic's dialect: no public entry point
+    from jax._src.lib.mlir import ir
+
+    types = []
+    for body in re.findall(r"body\\22: \\22([A-Za-z0-9+/=]+)\\22", lowered_text):
+        context = ir.Context()
+        context.allow_unregistered_dialects = True
+        tpu.register_dialect(context)
+        with context:
+            kernel = str(ir.Module.parse(base64.b64decode(body)))
+        types += [re.sub(r"^\(|\)$", "", line.rsplit(" : ", 1)[1].split(" -> ")[0])
+                  for line in kernel.splitlines() if "tpu.matmul" in line]
+    return types
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "tpu7x-8"])
+@pytest.mark.parametrize("m, n, k", [(8, 2048, 1024), (512, 1024, 4096)])
+def test_tpu_kernel_compiles_with_fp8_operands(target, m, n, k):
+    """Through `fp8_activation_matmul` (impl "auto"), the program compiled for v5p-8 (whose MXU
+    takes no FP8 operands: Mosaic widens them) and tpu7x-8 (whose MXU multiplies FP8) holds one
+    Pallas kernel, this one; no instruction but the parameter holds the weight (no copy or
+    re-laid-out weight in HBM); every matmul of the kernel takes two e4m3 operands
+    (`[rows, 128] x [128, 128]` blocks, fp32 results); and dsv4-plan counts its declared flops,
+    2 M N K, as FP8 products (run at the FP8 rate where the device has one)."""
+    from dsv4_jax import plan
 
     def fn(x, v, s):
-        return fp8_activation_matmul(x, QuantizedWeight(v, s, fmt="fp8"), impl="pallas")
+        return fp8_activation_matmul(x, QuantizedWeight(v, s, fmt="fp8"))
 
     args = (S((m, k), BF16), S((n, k), E4M3), S((n // BLOCK, k // BLOCK), F32))
-    compiled = aot.compile_for("v5p-8", jax.jit(fn), *args).compiled
-    assert aot.kernel_calls(compiled, "tpu") == []
-    assert [line for line in compiled.as_text().splitlines()
-            if re.search(rf"= \w+\[{n},{k}\]", line) and " parameter(" not in line] == []
+    jitted = jax.jit(fn)
+    compiled = aot.compile_for(target, jitted, *args).compiled
+    text = compiled.as_text()
+    assert aot.kernel_calls(compiled, "tpu") == [fat.KERNEL_NAME]
+    # (tpu7x: XLA prefetches a weight this small whole into on-chip memory, S(1), in its own
+    # tiling: an asynchronous copy-start / copy-done, not a re-layout)
+    prefetch = re.compile(r"\S+S\(1\)\S* copy-(start|done)\(")
+    assert [line for line in text.splitlines()
+            if re.search(rf"= \w+\[{n},{k}\]", line) and " parameter(" not in line and not prefetch.search(line)] == []
+    matmuls = _mosaic_matmuls(jitted.trace(*args).lower(lowering_platforms=("tpu",)).as_text())
+    tm = fat.tiles(m, n, k)[0]
+    assert matmuls and set(matmuls) == {f"vector<{tm}x128xf8E4M3FN>, vector<128x128xf8E4M3FN>, "
+                                        f"vector<{tm}x128xf32>"}, set(matmuls)
+    cost = plan.program_cost(text, 1.0, platform="tpu")
+    assert cost["fp8_flops"] == 2 * m * n * k
+    assert cost["fp8_flops"] <= cost["flops"]
 
 
 def test_model_with_fp8_activations(tmp_path, monkeypatch):
@@ -327,7 +392,8 @@ def test_model_with_fp8_activations(tmp_path, monkeypatch):
     import pallas_kernels
     from convert.cli import main as convert_main
     from convert.export_hf import write_hf_checkpoint
-    from dsv4_jax import linear
+    from dsv4_jax import xla_cpu
+    from pallas_kernels import act_quant_rounded
 
     cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)
     write_hf_checkpoint(dsv4_jax.init_params(cfg, seed=5, std=0.1), cfg, str(tmp_path / "hf"), quantize=True)
@@ -337,9 +403,7 @@ def test_model_with_fp8_activations(tmp_path, monkeypatch):
     quantized = np.asarray(dsv4_jax.load(tmp_path / "native", fp8_activations=True)(ids))
 
     def fake_quantized(x, w, *, layer=None, impl="auto"):
-        q, s = act_quant(x)
-        x_dq = q.astype(jnp.float32) * jnp.repeat(s, 128, axis=-1)[..., :x.shape[-1]]
-        return linear._dense_whole(w if layer is None else w[layer], x_dq.astype(x.dtype))
+        return xla_cpu.dense(w if layer is None else w[layer], act_quant_rounded(x))
 
     monkeypatch.setattr(pallas_kernels, "fp8_activation_matmul", fake_quantized)
     want = np.asarray(dsv4_jax.load(tmp_path / "native", fp8_activations=True)(ids))
@@ -381,7 +445,7 @@ def test_routed_experts_with_fp8_activations():
             want[t] += w2[e] @ fp8((h * weights[t, j]).astype(np.float32)[None])[0]
     args = (jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(w1), jnp.asarray(w2),
             jnp.asarray(w3), limit)
-    for got in (moe.routed_experts(*args, fp8_activations=True), moe._grouped(*args, None, None, True)):
+    for got in (moe.routed_experts(*args, fp8_activations=True), moe._grouped(*args[:6], limit=limit, fp8_activations=True)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
     plain = np.asarray(moe.routed_experts(*args))
     assert np.abs(plain - want).max() > 1e-3 * np.abs(want).max()
