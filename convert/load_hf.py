@@ -131,13 +131,6 @@ def read_source(name: str, entries: dict[str, TensorEntry]) -> Source:
     return Source("fp4", read_tensor(entry), scale.view(np.uint8))
 
 
-def read_tensor_dequantized(name: str, entries: dict[str, TensorEntry], dtype) -> np.ndarray:
-    """One tensor as a float/int numpy array: FP8 / FP4 weights dequantized to `dtype` with their
-    scale; unquantized tensors returned as stored (a memory-map view)."""
-    src = read_source(name, entries)
-    return src.data if src.fmt == "raw" else src.dense(dtype)
-
-
 def dequantized_shape(name: str, entries) -> tuple[int, ...]:
     e = entries[name]
     if e.dtype == "I8" and scale_name_of(name, entries) is not None and len(e.shape) == 2:

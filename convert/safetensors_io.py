@@ -97,12 +97,6 @@ def iter_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
         yield name, mm[data_start + begin: data_start + end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def iter_tensors(directory: str) -> Iterator[tuple[str, np.ndarray, str]]:
-    """Yields (name, array, file) for every tensor of a checkpoint directory."""
-    for path in checkpoint_files(directory):
-        for name, arr in iter_file(path):
-            yield name, arr, path
-
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Writes tensors (numpy / ml_dtypes arrays) as one safetensors file."""
     names = {np.dtype(v): k for k, v in DTYPES.items()}

@@ -38,11 +38,6 @@ import numpy as np
 from .config import CSA, HCA, WINDOW, ModelConfig
 
 
-def _state(n: int, batch: int, rows: int, width: int) -> dict:
-    return {"state_a": jnp.zeros((n, batch, rows, width), jnp.float32),
-            "state_z": jnp.full((n, batch, rows, width), -jnp.inf, jnp.float32)}
-
-
 def pool_rows(max_len: int, ratio: int) -> int:
     """Compressed entries a cache of max_len tokens can hold (at least one row, so every array
     has a row to gather from)."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -158,10 +157,3 @@ def _get(tree, path):
     for k in path:
         tree = tree[k]
     return tree
-
-
-def param_count(params) -> int:
-    """Logical parameter count (a QuantizedWeight counts its dequantized elements)."""
-    from .quantized import is_quantized
-
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params, is_leaf=is_quantized))

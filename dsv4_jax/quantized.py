@@ -21,8 +21,6 @@ is bit for bit the one `dsv4-convert --dtype float32|bfloat16` writes.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,7 +164,3 @@ def is_quantized(x) -> bool:
 def dequantize_tree(tree, dtype=None):
     """Every QuantizedWeight of a tree replaced by its dequantized array."""
     return jax.tree.map(lambda x: x.dequantize(dtype) if is_quantized(x) else x, tree, is_leaf=is_quantized)
-
-
-def quantized_nbytes(shape, fmt) -> int:
-    return sum(math.prod(s) * d.itemsize for s, d in storage_shapes(shape, fmt).values())
