@@ -477,8 +477,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     (`_scatter_overcount`). Collectives count the bytes a device sends in them
     (`_Module.collective_bytes`), loops and branches as above.
     Returns {"flops", "fp8_flops" (those of the FP8-activation kernels, which multiply FP8 on
-    Hopper's tensor cores and v7x's MXU, and of XLA's own products of two FP8 operands), "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed"
-    (XLA's own figures, loops counted once), "loops": [{"trips", "assumed"}...]}."""
+    Hopper's tensor cores and v7x's MXU, and of XLA's own products of two FP8 operands),
+    "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed" (XLA's own figures,
+    loops counted once), "loops": [{"trips", "assumed"}...]}."""
     mod = _Module(text)
     loops = []
 

@@ -65,18 +65,17 @@ def _kernel(layer_ref, q_ref, sx_ref, v_ref, sw_ref, o_ref, acc_ref, *, k_total:
         block = k * (tk // BLOCK) + kb
         sx = jnp.sum(jnp.where(lane == block, sx_all, 0.0), axis=1, keepdims=True)  # [TM, 1]
         col = jnp.minimum(block, cols_s - 1)
+        tail = k_total % BLOCK and kb == tk // BLOCK - 1  # the last K block may reach past K
+        if tail:
+            inside = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1) < k_total - block * BLOCK
+            xb = xb.astype(jnp.bfloat16)
         for nb in range(tn // BLOCK):
             wb = v_ref[pl.ds(nb * BLOCK, BLOCK), pl.ds(kb * BLOCK, BLOCK)]
-            if k_total % BLOCK and kb == tk // BLOCK - 1:  # the last K block may reach past K
-                limit = k_total - (k * tk + kb * BLOCK)
-                inside = jax.lax.broadcasted_iota(jnp.int32, wb.shape, 1) < limit
+            if tail:
                 wb = jnp.where(inside, wb.astype(jnp.bfloat16), jnp.zeros(wb.shape, jnp.bfloat16))
-                xb_ = xb.astype(jnp.bfloat16)
-            else:
-                xb_ = xb
             # Precision stated, not left to jax_default_matmul_precision: Mosaic takes e4m3 (and
             # bf16) operands only at the default, and the products are exact at any.
-            part = jax.lax.dot_general(xb_, wb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.DEFAULT,
+            part = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.DEFAULT,
                                        preferred_element_type=jnp.float32)
             # A block past the weight's end reads the last scale (its rows are dropped).
             sw = sw_ref[jnp.minimum(j * (tn // BLOCK) + nb, rows_s - 1), col]
