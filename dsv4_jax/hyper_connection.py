@@ -2,33 +2,28 @@
 
 Each sub-layer (attention, MoE) reads one collapsed stream (`pre` weights), and writes back
 `post * f + comb^T @ streams`, where `comb` is made doubly stochastic by Sinkhorn iterations.
-All mixing weights are computed in fp32.
+All mixing weights are computed in fp32. The two passes over the streams are
+`pallas_kernels.hc_collapse` and `hc_expand` (Mosaic kernels on TPU, given the model's config);
+on XLA:CPU their plain-JAX references, the mixes' product by `dense`.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+
+from . import xla_cpu
+from .config import ModelConfig
+from .layer_weights import LayerSlice, own_weight
 from .linear import dense
+from .sharding import BATCH, per_device
 
-
-def _mixes(x: jnp.ndarray, fn: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x `[B, S, hc, D]` -> fn @ rms_normalised(flatten(x)) `[B, S, fn_rows]` in fp32 (fn: an array or,
-    in the layer stack on CPU, a LayerWeight)."""
-    flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
-    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return dense(flat, fn.astype(jnp.float32))
-
-
-def _mix(w: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:
-    """sum_j w[..., j, None] * x[..., j, :]: w `[B, S, hc, ...]` fp32, x `[B, S, hc, D]` fp32 ->
-    `[B, S, ..., D]`. Written as hc elementwise terms, one fusion on every platform: a contraction
-    of length hc gives a matrix unit nothing to do, and as an einsum XLA makes it a batch of one
-    tiny matmul per token."""
-    terms = [w[:, :, j, ..., None] * jnp.expand_dims(x[:, :, j], tuple(range(2, w.ndim - 1)))
-             for j in range(x.shape[2])]
-    return sum(terms[1:], terms[0])
+_STREAMS = (BATCH, None, None, None)
+_ROWS = (BATCH, None, None)
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
@@ -44,36 +39,58 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
     return jax.lax.fori_loop(0, iters - 1, round_, c)
 
 
+def _collapse(x, fn, base, scale, hc_eps: float, norm_eps: float, cfg: ModelConfig | None):
+    """`pallas_kernels.hc_collapse` (per device on the model's mesh; its attention_impl choice,
+    the reference without cfg), a layer's fn (a LayerSlice) read in place in its stack; on CPU
+    the reference with the product by `dense`, whose fn may be a per-layer buffer."""
+    kw = dict(hc_eps=hc_eps, norm_eps=norm_eps)
+
+    def device(x, fn, base, scale):
+        stack, layer = (fn.stack, fn.index) if isinstance(fn, LayerSlice) else (fn, None)
+        run = partial(pallas_kernels.hc_collapse, impl="ref" if cfg is None else cfg.attention_impl, **kw)
+        if cfg is not None:
+            run = per_device(cfg, run, (_STREAMS, None, None, None, None), _ROWS)
+        return run(x, stack, base, scale, layer)
+
+    def cpu(x, fn, base, scale):
+        return pallas_kernels.hc_collapse_ref(x, own_weight(fn), base, scale, product=dense, **kw)
+
+    return xla_cpu.choose(x, fn, base, scale, cpu=cpu, device=device)
+
+
 def hc_pre(x: jnp.ndarray, fn: jnp.ndarray, base: jnp.ndarray, scale: jnp.ndarray, *, hc: int,
-           iters: int, hc_eps: float, norm_eps: float):
+           iters: int, hc_eps: float, norm_eps: float, cfg: ModelConfig | None = None):
     """Collapses the streams for a sub-layer.
 
-    x `[B, S, hc, D]`; fn `[(2+hc)*hc, hc*D]`, base `[(2+hc)*hc]`, scale `[3]`.
-    Returns (collapsed `[B, S, D]` in x's dtype, post `[B, S, hc]` fp32, comb `[B, S, hc, hc]` fp32).
+    x `[B, S, hc, D]`; fn `[(2+hc)*hc, hc*D]`, base `[(2+hc)*hc]`, scale `[3]`; cfg, the model's
+    (see `_collapse`). Returns (collapsed `[B, S, D]` in x's dtype, post `[B, S, hc]` fp32,
+    comb `[B, S, hc, hc]` fp32).
     """
-    m = _mixes(x, fn, norm_eps)
+    collapsed, m = _collapse(x, fn, base, scale, hc_eps, norm_eps, cfg)
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb_logits = m[..., 2 * hc:] * scale[2] + base[2 * hc:]
     comb = sinkhorn(comb_logits.reshape(*m.shape[:-1], hc, hc), iters, hc_eps)
-    collapsed = _mix(pre, x.astype(jnp.float32)).astype(x.dtype)
     return collapsed, post, comb
 
 
-def hc_post(f: jnp.ndarray, x_res: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray) -> jnp.ndarray:
+def hc_post(f: jnp.ndarray, x_res: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray,
+            cfg: ModelConfig | None = None) -> jnp.ndarray:
     """Expands a sub-layer output back into the streams: X'_k = post_k f + sum_j comb[j, k] X_j.
 
     f `[B, S, D]`, x_res `[B, S, hc, D]`; computed in fp32, returned in x_res's dtype.
+    `pallas_kernels.hc_expand`, chosen as `hc_pre`'s collapse is.
     """
-    mixed = _mix(comb, x_res.astype(jnp.float32))
-    return (post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed).astype(x_res.dtype)
+    if cfg is None:
+        return pallas_kernels.hc_expand_ref(f, x_res, post, comb)
+    device = per_device(cfg, partial(pallas_kernels.hc_expand, impl=cfg.attention_impl),
+                        (_ROWS, _STREAMS, _ROWS, _STREAMS), _STREAMS)
+    return xla_cpu.choose(f, x_res, post, comb, cpu=pallas_kernels.hc_expand_ref, device=device)
 
 
 def hc_head(x: jnp.ndarray, fn: jnp.ndarray, base: jnp.ndarray, scale: jnp.ndarray, *, hc_eps: float,
-            norm_eps: float) -> jnp.ndarray:
-    """Final collapse of the streams (no Sinkhorn, no post): x `[B, S, hc, D]` -> `[B, S, D]`."""
-    m = _mixes(x, fn, norm_eps)
-    pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps
-    return _mix(pre, x.astype(jnp.float32)).astype(x.dtype)
+            norm_eps: float, cfg: ModelConfig | None = None) -> jnp.ndarray:
+    """Final collapse of the streams (no Sinkhorn, no post): x `[B, S, hc, D]` -> `[B, S, D]`;
+    cfg as `hc_pre`'s."""
+    return _collapse(x, fn, base, scale, hc_eps, norm_eps, cfg)[0]

@@ -71,8 +71,9 @@ class LayerWeight:
 
 
 # Plain (unquantized) stacked weights that a kernel reads in place (attention.output's wo_a, the
-# routed experts): with every QuantizedWeight, `take_layer` gives them as LayerSlices.
-IN_PLACE = ("wo_a",) + ROUTED
+# routed experts, the hyper-connections' fn): with every QuantizedWeight, `take_layer` gives them
+# as LayerSlices.
+IN_PLACE = ("wo_a", "fn") + ROUTED
 
 
 @struct.dataclass

@@ -257,7 +257,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
     layer = take_layer(params["layers"], i)
     cos, sin = ctx.chunk.rope[compressed_rope]
-    hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, cfg=cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_attn"], **hc_args)
     x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
@@ -277,11 +277,11 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
         n_layers = next(iter(caches[group].values())).shape[0]
         target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
         new[group] = _store(group, caches[group], payload, target, ctx.chunk)
-    h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb)
+    h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb, cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
-    h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb)
+    h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb, cfg)
     return (h, new, last_ids), overlap
 
 
@@ -329,7 +329,7 @@ def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp
     {fn, base, scale}), RMSNorm with `norm`, then the fp32 projection on `head` `[V, D]` -> fp32
     `[B, T, V]`. The MTP block applies it with its own hc head and norm and the shared head."""
     y = hc_head(h, hc_head_params["fn"], hc_head_params["base"], hc_head_params["scale"],
-                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, cfg=cfg)
     y = rms_norm(y, norm, cfg.rms_norm_eps)
     return dense(y.astype(jnp.float32), head.astype(jnp.float32))
 

@@ -3,7 +3,8 @@ DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and 
 
 Each kernel is compiled ahead of time (dsv4_jax.aot; the `aot` extra, no accelerator needed) for
 TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 and grouped matmuls: their Mosaic TPU kernels on
-TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA), and the record holds:
+TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA; the hyper-connections' kernels on TPU
+only), and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
@@ -24,7 +25,7 @@ TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA), and the record hold
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
     first halves, cos, sin, the norm weight and the output; FP8 matmul: the stored weight, values
     and scales, x and the output; grouped matmul: the stored bytes of min(E, M) experts, x and
-    the output).
+    the output; hyper-connections: the streams, fn, the per-token weights and the outputs).
 Usage: python -m pallas_kernels.report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
@@ -50,14 +51,17 @@ from .fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
 from .fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
 from .grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from .grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
+from .hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
 from .quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
 from .quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 
 TARGETS = ("v5p-8", "v6e-8", "tpu7x-8", "h100x1")
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
-# DeepSeek-V4-Flash: 64 heads of 512, window 128, top-k 512 (K = 640), index heads of 128, rope 64.
+# DeepSeek-V4-Flash: 64 heads of 512, window 128, top-k 512 (K = 640), index heads of 128, rope 64;
+# 4 streams of 4096 (hyper-connections).
 H, D, WINDOW, TOPK, D_INDEX, ROPE = 64, 512, 128, 512, 128, 64
+HC, HIDDEN = 4, 4096
 PREFILL = 512  # tokens per prefill chunk (the compressors); the attention's prefill is 16 tokens
 ATTN_PREFILL, POOL = 16, 1024  # 1024 compressed entries: a 4096-token context
 
@@ -132,8 +136,26 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
             "minimum_bytes": minimum}
 
 
+def _hc_case(kind: str, tokens: int, batch: int) -> dict:
+    """The hyper-connections' passes over Flash's bf16 streams `[batch, tokens, 4, 4096]`: the
+    collapse before a sub-layer (24 mixes, fp32 fn `[24, 16384]`), or the expansion after it."""
+    x = S((batch, tokens, HC, HIDDEN), BF16)
+    n, rows = batch * tokens, (2 + HC) * HC
+    if kind == "collapse":
+        args = (x, S((rows, HC * HIDDEN), F32), S((rows,), F32), S((3,), F32))
+        fn = lambda *a: hc_collapse_tpu(*a, hc_eps=1e-6, norm_eps=1e-6)  # noqa: E731
+        minimum = n * HC * HIDDEN * 2 + rows * HC * HIDDEN * 4 + n * (HIDDEN * 2 + rows * 4)
+    else:
+        args = (S((batch, tokens, HIDDEN), BF16), x, S((batch, tokens, HC), F32), S((batch, tokens, HC, HC), F32))
+        fn = hc_expand_tpu
+        minimum = n * (HIDDEN * 2 + 2 * HC * HIDDEN * 2 + (HC + HC * HC) * 4)
+    return {"fn": {"tpu": fn}, "args": args, "minimum_bytes": minimum,
+            "shapes": {"B": batch, "S": tokens, "hc": HC, "D": HIDDEN, "x": "bfloat16"}}
+
+
 # A case's "fn" is one function for every platform (attention and compressors: their entry
-# points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function}.
+# points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function} (a
+# platform not named has no such kernel: no record; the hyper-connections have none on CUDA).
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -151,6 +173,10 @@ CASES = {
     "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
+    "hc_collapse/decode8": lambda: _hc_case("collapse", 1, 8),
+    "hc_collapse/prefill": lambda: _hc_case("collapse", PREFILL, 1),
+    "hc_expand/decode8": lambda: _hc_case("expand", 1, 8),
+    "hc_expand/prefill": lambda: _hc_case("expand", PREFILL, 1),
 }
 
 
@@ -242,6 +268,8 @@ def report(targets=TARGETS) -> list[dict]:
         platform = aot.target(target).platform
         for name, make in CASES.items():
             case = make()
+            if isinstance(case["fn"], dict) and platform not in case["fn"]:
+                continue
             fn = case["fn"][platform] if isinstance(case["fn"], dict) else case["fn"]
             with tempfile.TemporaryDirectory() as dump:
                 mosaic_dump, xla_dump = os.path.join(dump, "mosaic"), os.path.join(dump, "xla")

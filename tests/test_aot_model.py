@@ -144,13 +144,18 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     FP8/FP4 weights, compiled for a whole v5p-8 or h200x8 the way dsv4-plan compiles them: the
     FP8 linears go through the matmul kernel per device (under tp_attention too, where the
     column-parallel ones are split), the routed experts and wo_a through the grouped matmul
-    kernel, and no instruction but a kernel's call touches a whole layer's (or expert's) weight:
+    kernel, the streams through the hyper-connections' kernels on TPU, and no instruction but a
+    kernel's call touches a whole layer's (or expert's) weight:
     no copy, re-layout or dequantization of one."""
     s, result = _compiled_small(tmp_path, target, layout, tokens)
     platform = aot.target(target).platform
     suffix = "_gpu" if platform == "cuda" else ""
     kernels = aot.kernel_calls(result.compiled, platform)
     assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
+    # on TPU the hyper-connections' kernels: the collapse before each sub-layer (twice in the
+    # scan body) and the head's, the expansion after each (twice)
+    hyper = {"dsv4_hc_collapse": 3, "dsv4_hc_expand": 2} if platform == "tpu" else {}
+    assert {k: kernels.count(k) for k in ("dsv4_hc_collapse", "dsv4_hc_expand") if k in kernels} == hyper
     assert not _copies(result.compiled.as_text(), _weight_shapes(s.params, lambda a: bool(s.layout.axes(a, s.mesh))))
     # the routed experts' tokens go as moe.expert_exchange says: by ragged all-to-all under
     # dp_attention (experts over 4 or 8 devices), by all-gather under tp_attention on v5p-8

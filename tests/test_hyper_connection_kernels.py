@@ -1,0 +1,152 @@
+"""The hyper-connections' kernels (`pallas_kernels.hc_collapse`, `hc_expand`): the Mosaic TPU
+kernel bodies in the Pallas interpreter against the plain-JAX references, their declared cost,
+and their compiles for TPU v5p, v6e and v7x (the compiled program holds the kernel and no copy of
+the streams).
+
+Tolerances, as tests/test_kernels.py states them: fp32 outputs within 1e-5 of the largest
+reference value (both compute in fp32; the mixes' product is summed per stream, another order
+than the reference's one contraction: a few fp32 ulps); bf16 outputs within 2^-6 of it with
+fewer than 1 % of the elements differing (a last-bit fp32 difference can flip one bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv4_jax import aot, plan
+from pallas_kernels import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref
+from pallas_kernels.hyper_connection_tpu import COLLAPSE_NAME, EXPAND_NAME, hc_collapse_tpu, hc_expand_tpu
+from test_kernels import _check  # the kernels' tolerances (that module's doc)
+
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+EPS = dict(hc_eps=1e-6, norm_eps=1e-6)
+
+
+def _inputs(b, s, hc, d, rows, dtype, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    x = (3 * jax.random.normal(ks[0], (b, s, hc, d))).astype(dtype)
+    fn = jax.random.normal(ks[1], (rows, hc * d)) * (hc * d) ** -0.5
+    base, scale = jax.random.normal(ks[2], (rows,)), jax.random.normal(ks[3], (3,))
+    f = jax.random.normal(ks[4], (b, s, d)).astype(dtype)
+    post = 2 * jax.nn.sigmoid(jax.random.normal(ks[5], (b, s, hc)))
+    comb = jax.nn.softmax(jax.random.normal(ks[6], (b, s, hc, hc)), axis=-1)
+    return x, fn, base, scale, f, post, comb
+
+
+# (B, S, hc, D, mixes rows, dtype, token rows per step): hc_pre's 24 mixes and the head's 4; decode
+# (S 1), a chunk in one tile, and tiles of 16 with a partial last one (B S = 40 and 3 x 13 = 39).
+CASES = [(2, 1, 4, 256, 24, F32, None), (1, 40, 4, 128, 24, BF16, 16), (3, 13, 4, 384, 4, F32, 16),
+         (2, 3, 2, 512, 8, BF16, None), (1, 64, 4, 128, 24, F32, None)]
+
+
+@pytest.mark.parametrize("b, s, hc, d, rows, dtype, tokens", CASES)
+def test_kernels_match_ref(b, s, hc, d, rows, dtype, tokens):
+    x, fn, base, scale, f, post, comb = _inputs(b, s, hc, d, rows, dtype, seed=b * 100 + s)
+    collapsed, m = hc_collapse_tpu(x, fn, base, scale, interpret=True, block_tokens=tokens, **EPS)
+    ref_collapsed, ref_m = hc_collapse_ref(x, fn, base, scale, **EPS)
+    assert collapsed.dtype == dtype and m.dtype == F32 and m.shape == (b, s, rows)
+    _check(m, ref_m)
+    _check(collapsed, ref_collapsed)
+    out = hc_expand_tpu(f, x, post, comb, interpret=True, block_tokens=tokens)
+    assert out.dtype == dtype
+    _check(out, hc_expand_ref(f, x, post, comb))
+
+
+def test_dispatch_runs_the_kernel_in_the_interpreter():
+    """impl="pallas" off TPU runs the TPU kernel in the interpreter; D off the 128 lanes takes
+    the reference."""
+    x, fn, base, scale, f, post, comb = _inputs(1, 5, 4, 128, 24, F32, seed=3)
+    jaxpr = str(jax.make_jaxpr(lambda *a: hc_collapse(*a, impl="pallas", **EPS))(x, fn, base, scale))
+    assert "pallas_call" in jaxpr
+    _check(hc_expand(f, x, post, comb, impl="pallas"), hc_expand_ref(f, x, post, comb))
+    x, fn, base, scale, f, post, comb = _inputs(1, 5, 4, 96, 24, F32, seed=4)
+    jaxpr = str(jax.make_jaxpr(lambda *a: hc_collapse(*a, impl="pallas", **EPS))(x, fn, base, scale))
+    assert "pallas_call" not in jaxpr
+
+
+
+
+@pytest.mark.parametrize("b, s", [(4, 1), (1, 512)])
+def test_declared_cost_covers_the_streams(b, s):
+    """Each kernel declares at least the bytes it must move: the streams, the weights, the
+    per-token mixing weights and its outputs (dsv4-plan counts a kernel by its declaration)."""
+    hc, d, rows = 4, 4096, 24
+    x, fn, w3 = S((b, s, hc, d), BF16), S((rows, hc * d), F32), S((3,), F32)
+    collapse = aot.compile_for("v5p-8", jax.jit(lambda *a: hc_collapse(*a, impl="pallas", **EPS)),
+                               x, fn, S((rows,), F32), w3)
+    declared = [int(m.group(2)) for m in plan._DECLARED.finditer(collapse.compiled.as_text())]
+    assert len(declared) == 1
+    assert declared[0] >= b * s * (hc * d * 2 + d * 2 + rows * 4) + rows * hc * d * 4
+    expand = aot.compile_for("v5p-8", jax.jit(lambda *a: hc_expand(*a, impl="pallas")),
+                             S((b, s, d), BF16), x, S((b, s, hc), F32), S((b, s, hc, hc), F32))
+    declared = [int(m.group(2)) for m in plan._DECLARED.finditer(expand.compiled.as_text())]
+    assert len(declared) == 1
+    assert declared[0] >= b * s * (d * 2 + 2 * hc * d * 2 + (hc + hc * hc) * 4)
+
+
+# Flash's streams: a decode step of 8 rows and a 512-token prefill chunk, and an odd token count.
+SHAPES = {"decode": (8, 1), "prefill": (1, 512), "prefill13": (1, 13)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("target", ["v5p-8", "v6e-8", "tpu7x-8"])
+def test_kernels_compile_without_copying_the_streams(target, shape):
+    """Both kernels compile for the TPU targets at Flash's shapes; the compiled program holds
+    the kernel's call and no copy (re-layout) of the streams `[B, S, 4, 4096]`: they reach the
+    kernel as they lie in HBM."""
+    b, s = SHAPES[shape]
+    x = S((b, s, 4, 4096), BF16)
+    programs = {
+        COLLAPSE_NAME: aot.compile_for(target, jax.jit(lambda *a: hc_collapse(*a, impl="pallas", **EPS)),
+                                       x, S((24, 16384), F32), S((24,), F32), S((3,), F32)),
+        EXPAND_NAME: aot.compile_for(target, jax.jit(lambda *a: hc_expand(*a, impl="pallas")),
+                                     S((b, s, 4096), BF16), x, S((b, s, 4), F32), S((b, s, 4, 4), F32)),
+    }
+    for name, result in programs.items():
+        assert aot.kernel_calls(result.compiled, "tpu") == [name]
+        assert not _relayouts(result.compiled.as_text(), b * s * 4 * 4096 * 2)
+
+
+def _relayouts(text: str, nbytes: int) -> list[str]:
+    """The instructions of a compiled TPU program that copy an array of at least `nbytes` into
+    another layout: a `copy`, or a `copy-start` whose destination's layout (a prefetch into
+    VMEM, memory space S(1), aside) is not its source's."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"\s+(?:ROOT )?%[\w.\-]+ = \(?(\w+\[[\d,]*\])(\{[^}]*\}) (copy|copy-start)\(", line)
+        if not m or plan._shape_bytes(m.group(1)) < nbytes:
+            continue
+        if m.group(3) == "copy":
+            found.append(line.strip()[:200])
+        else:
+            src = re.findall(r"\[[\d,]*\](\{[^}]*\})", line)[1]
+            if re.sub(r"S\(\d\)", "", m.group(2)) != re.sub(r"S\(\d\)", "", src):
+                found.append(line.strip()[:200])
+    return found
+
+
+def test_collapse_reads_a_layer_of_the_stack_in_place():
+    """With `layer`, fn is every layer's stack and the kernel reads that layer's in place: the
+    interpreter's result is the reference's on the layer's fn, and the v5p program of a decode
+    step's collapse, the layer traced, holds no instruction writing out a layer's fn."""
+    x, fn, base, scale, *_ = _inputs(2, 3, 4, 128, 24, F32, seed=5)
+    stack = jnp.stack([fn * 0.5, fn, -fn])
+    run = jax.jit(lambda x, stack, base, scale, layer: hc_collapse(x, stack, base, scale, layer=layer,
+                                                                   impl="pallas", **EPS))
+    collapsed, m = run(x, stack, base, scale, jnp.int32(2))
+    ref_collapsed, ref_m = hc_collapse_ref(x, -fn, base, scale, **EPS)
+    _check(m, ref_m)
+    _check(collapsed, ref_collapsed)
+
+    result = aot.compile_for("v5p-8", run, S((8, 1, 4, 4096), BF16), S((43, 24, 16384), F32), S((24,), F32),
+                             S((3,), F32), S((), jnp.int32))
+    assert aot.kernel_calls(result.compiled, "tpu") == [COLLAPSE_NAME]
+    written = [line for line in result.compiled.as_text().splitlines()
+               if re.match(r"\s+(?:ROOT )?%[\w.\-]+ = \(?f32\[(?:1,)?24,16384\]", line)
+               and " parameter(" not in line and " bitcast(" not in line]
+    assert not written, written[:2]
