@@ -380,9 +380,9 @@ def _goals(result: dict, quick: bool) -> dict:
 
 def _torch_threads(model, cores: int, forced: int | None, cfg_vocab: int) -> tuple[int, dict]:
     """torch threads to time transformers with: `forced`, else the machine's cores, unless the
-    machine is so loaded that torch's OpenMP threads oversubscribe it (observed here: 1.6 s per
-    decode step with 2 threads at load 5 against 60 ms with 1 thread), which a short probe of
-    decode steps at `cores` and at 1 thread detects (cores more than 1.5x slower: 1 thread)."""
+    machine is so loaded that torch's OpenMP threads oversubscribe it (a decode step then takes
+    many times longer on all cores than on one), which a short probe of decode steps at `cores`
+    and at 1 thread detects (cores more than 1.5x slower: 1 thread)."""
     import torch
 
     if forced:

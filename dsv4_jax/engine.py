@@ -377,7 +377,7 @@ class Engine:
         ids); returns how many programs it compiled. `progress(i, n, name)` is called as the
         i-th of the n programs is ready. Running them matters on CPU: there the experts are
         branches of a switch (dsv4_jax/layer_weights.py), and a program's first run through a
-        branch is slow, a cost a request would otherwise pay (README, "Serving benchmark")."""
+        branch is slow, a cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
         # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
         powers = range((self.slots - 1).bit_length() + 1)
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})

@@ -133,9 +133,8 @@ def _is_leaf(x) -> bool:
 @partial(jax.jit, static_argnums=1)
 def _split(stacked: list, lead: tuple[int, ...]) -> list:
     """Each stacked weight as its parts over its `lead` leading axes (row-major), all in one
-    program: op by op, or inside the decode loop's program, XLA:CPU ran the same copies about 3x
-    slower (flash-mini: ~150 ms against ~45 ms). Only the weights being split go through it, so
-    nothing else is copied."""
+    program: op by op, or inside the decode loop's program, XLA:CPU ran the same copies several
+    times slower. Only the weights being split go through it, so nothing else is copied."""
     return [tuple(x[i] for i in np.ndindex(*x.shape[:n])) for x, n in zip(stacked, lead)]
 
 

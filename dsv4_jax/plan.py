@@ -31,7 +31,7 @@ The JSON it prints (one object):
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
                found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
 The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), fp8_activations, batch and
-lengths are echoed; README.md ("Planning real hardware") has runs.
+lengths are echoed; docs/plan.md has runs.
 Bad input exits 1 with one line on stderr.
 """
 

@@ -11,7 +11,7 @@ same prompts and arrival times for every server: they follow --seed), stop the s
 JSON object: each server's flags and bench report, and beside the first server's the others'
 output throughput (and its change in %), mean and P90 TTFT, TPOT and ITL, and their ratios to the
 first's. Used for continuous against static batching (`--scheduler static`) and for IndexCache
-off against on (`--index-cache-freq 2`), as README.md shows.
+off against on (`--index-cache-freq 2`), as docs/serving.md shows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ generated token at which the batch and the lone run differ (null: none in `--tok
 
     python examples/batch_vs_alone.py [--dtype bfloat16|float32] [--lengths 5,2000,700] [--tokens 48]
 
-In float32 every row matches (README.md, "Per-sequence positions, `generate` and the cache"); in bfloat16 the batch's products sum in
+In float32 every row matches (docs/generate.md, "Per-sequence positions, `generate` and the cache"); in bfloat16 the batch's products sum in
 another order before the rounding, and the rows can part.
 """
 

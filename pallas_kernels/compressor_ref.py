@@ -57,7 +57,7 @@ def compress_ref(a: jnp.ndarray, z: jnp.ndarray, norm_weight: jnp.ndarray, cos: 
         z = jnp.concatenate([before_z, z[..., d:]], axis=2)
     # softmax over the candidates (axis 2), then the weighted sum: as pairwise folds of the
     # candidate axis, elementwise ops XLA:CPU fuses into one pass; its reductions over a short
-    # middle axis ran 3-7x slower (a micro-benchmark on flash-mini's prefill shapes).
+    # middle axis ran several times slower (docs/speed.md).
     m = _fold(z, jnp.maximum)
     e = jnp.exp(z - m[:, :, None])
     pooled = _fold(a * e, jnp.add) / _fold(e, jnp.add)  # [B, n, d]

@@ -94,7 +94,7 @@ def test_chunked_prefill_equals_one_pass(tiny, chunks):
 
 
 def test_ragged_batch_rows_equal_alone(tiny):
-    """The README's statement, in fp32: each row of a ragged batch (here 3 rows, padded to a
+    """docs/generate.md's statement, in fp32: each row of a ragged batch (here 3 rows, padded to a
     bucket of 4) gives the greedy tokens it gives alone. Every row's prompt is prefilled at its own
     positions (the 1- and 7-token rows hold while the 33-token row's chunk runs), then the rows
     decode from their own positions."""

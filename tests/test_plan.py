@@ -2,7 +2,7 @@
 rope 64, index heads of 128, window 128, every layer kind, FP8 linears and FP4 experts, narrower
 widths and fewer experts so that it compiles in seconds), planned for one target with the
 max_context search; a model too big for one H100; and bad input. The full-size plans (minutes
-each) are in the README, not here.
+each) are in docs/plan.md, not here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The README against the package: its Python code runs, every API it names exists under that
-name (and takes the arguments it shows), every repository path it names exists, and every
-command-line flag it shows is one the command accepts."""
+"""The README and the documents under docs/ against the package: their Python code runs, every
+API they name exists under that name (and takes the arguments shown), every repository path they
+name exists, and every command-line flag they show is one the command accepts."""
 
 import ast
 import importlib
@@ -18,7 +18,9 @@ import pytest
 import dsv4_jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md")).read()
+DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                              if f.endswith(".md"))
+README = "\n".join(open(os.path.join(ROOT, f)).read() for f in DOCS)  # (each file ends in a newline)
 PACKAGES = ("dsv4_jax", "pallas_kernels", "convert")
 
 
@@ -119,7 +121,7 @@ def test_named_apis_exist():
 
 
 def test_named_paths_exist():
-    paths = {s for s in _spans() if re.fullmatch(r"(dsv4_jax|convert|pallas_kernels|tests|examples)/[\w./]*", s)}
+    paths = {s for s in _spans() if re.fullmatch(r"(dsv4_jax|convert|pallas_kernels|tests|examples|docs)/[\w./-]*", s)}
     assert "dsv4_jax/layer_weights.py" in paths
     for p in sorted(paths):
         assert os.path.exists(os.path.join(ROOT, p.split("::")[0])), p
@@ -171,7 +173,8 @@ def _help(kind: str, target: str, monkeypatch, capsys) -> str:
 
 def _commands() -> list[str]:
     """Commands in fenced blocks (a line starting with blanks continues the one before; `&&`
-    separates commands) and in code spans."""
+    separates commands; leading environment assignments, `XLA_FLAGS=... cmd`, dropped) and in
+    code spans."""
     out = []
     for lang, code in _blocks():
         if lang in ("bash", ""):
@@ -181,7 +184,7 @@ def _commands() -> list[str]:
                     lines[-1] += " " + line.strip()
                 else:
                     lines.append(line.strip())
-            out += [c.strip() for line in lines for c in line.split("&&")]
+            out += [re.sub(r"^([A-Z_]+=\S+\s+)+", "", c.strip()) for line in lines for c in line.split("&&")]
     return out + _spans()
 
 
@@ -238,3 +241,15 @@ def test_commands_run_as_printed_after_the_setup():
             bare.append(command)
     assert not bare, bare
     assert any(c.startswith(".venv/bin/dsv4-serve ") for c in _commands())
+
+
+def test_readme_is_a_landing_page():
+    """The README stays short (the rest lives in docs/), starts with the two set-up commands
+    exactly as CI runs the second, and links every document under docs/."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert len(readme.splitlines()) <= 200
+    blocks = re.findall(r"^```bash\n(.*?)^```", readme, flags=re.S | re.M)
+    assert blocks[0].strip().endswith(".venv/bin/python examples/demo.py")
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert blocks[1].strip() in ci
+    assert {f"`{f}`" for f in DOCS[1:]} <= set(re.findall(r"`docs/[\w.-]+\.md`", readme))

@@ -1,5 +1,5 @@
 """`python -m dsv4_jax.serve_compare`: its comparison of bench reports, and bad input rejected
-before any server starts (a live run is what the README's serving tables come from)."""
+before any server starts (a live run is what docs/serving.md's tables come from)."""
 
 import pytest
 
