@@ -20,6 +20,7 @@ import pytest
 from dsv4_jax import aot, plan
 from pallas_kernels import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref
 from pallas_kernels.hyper_connection_tpu import COLLAPSE_NAME, EXPAND_NAME, hc_collapse_tpu, hc_expand_tpu
+from test_aot_model import _copies
 from test_kernels import _check  # the kernels' tolerances (that module's doc)
 
 S = jax.ShapeDtypeStruct
@@ -146,7 +147,5 @@ def test_collapse_reads_a_layer_of_the_stack_in_place():
     result = aot.compile_for("v5p-8", run, S((8, 1, 4, 4096), BF16), S((43, 24, 16384), F32), S((24,), F32),
                              S((3,), F32), S((), jnp.int32))
     assert aot.kernel_calls(result.compiled, "tpu") == [COLLAPSE_NAME]
-    written = [line for line in result.compiled.as_text().splitlines()
-               if re.match(r"\s+(?:ROOT )?%[\w.\-]+ = \(?f32\[(?:1,)?24,16384\]", line)
-               and " parameter(" not in line and " bitcast(" not in line]
+    written = _copies(result.compiled.as_text(), {("f32", "24,16384")})
     assert not written, written[:2]
