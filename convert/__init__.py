@@ -1,7 +1,3 @@
-"""HF DeepSeek-V4 checkpoints (safetensors, both namings) into our parameter tree."""
-
-from .load_hf import read_hf_checkpoint
-from .names import checkpoint_layout, is_mtp, official_name
-from .safetensors_io import CheckpointError
-
-__all__ = ["CheckpointError", "checkpoint_layout", "is_mtp", "official_name", "read_hf_checkpoint"]
+"""`dsv4-convert`: an HF DeepSeek-V4 checkpoint (safetensors, either naming) into a dsv4-jax
+directory (config.json, an Orbax checkpoint of the parameters, the MTP block, the tokenizer
+files). The reading and writing it drives live in dsv4_jax/checkpoint/."""

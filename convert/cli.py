@@ -7,16 +7,16 @@ FP4 expert weights) and writes OUT_DIR with
   "mtp_tensors", "copied_files", and with --dtype native "quantized": {leaf: "fp8"|"fp4"}}
   (readable by `dsv4_jax.ModelConfig.from_hf(OUT_DIR)`);
 * `params/`: the parameter tree as an Orbax PyTree checkpoint (zarr3 arrays written slice by
-  slice with tensorstore, convert/store.py; restorable with plain Orbax): with bfloat16/float32,
+  slice with tensorstore, dsv4_jax/checkpoint/store.py; restorable with plain Orbax): with bfloat16/float32,
   "weight" leaves dequantized exactly to that dtype, fp32 and int leaves as `dsv4_jax.param_spec`
-  says; with native, the FP8/FP4 leaves of `dsv4_jax.params.NATIVE_QUANT`
+  says; with native, the FP8/FP4 leaves of `dsv4_jax.model.params.NATIVE_QUANT`
   that the checkpoint stores quantized stay quantized (values + scales) and every other float
   leaf keeps bfloat16 where the checkpoint's values fit it exactly, float32 otherwise; a quantized
   leaf is the subtree {"values", "scale"};
 * `mtp/`: the `mtp.*` tensors, when present, as another Orbax checkpoint (tree nested by the
   names' dotted parts, so each array's directory is the tensor's name);
 * `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`: copied from HF_DIR, those
-  it has (listed in "copied_files"; each checked first, convert/hf_files.py).
+  it has (listed in "copied_files"; each checked first, dsv4_jax/checkpoint/hf_files.py).
 
 The conversion streams: headers are checked first, then one tensor (with its scale) at a time is
 read, converted and written into its slice of the on-disk array, so memory stays around one
@@ -46,8 +46,8 @@ import time
 
 import numpy as np
 
-from . import hf_files
-from .store import array_name
+from dsv4_jax.checkpoint import hf_files
+from dsv4_jax.checkpoint.store import array_name
 
 PARAMS_DIR = "params"
 MTP_DIR = "mtp"
@@ -106,7 +106,7 @@ def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
     import ml_dtypes
     import numpy as np
 
-    from dsv4_jax.params import INT, NATIVE_QUANT, leaf_dtype, map_spec
+    from dsv4_jax.model.params import INT, NATIVE_QUANT, leaf_dtype, map_spec
 
     out = {}
 
@@ -152,7 +152,7 @@ def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str, progress, *
     """Streams every tensor into the two Orbax checkpoints; returns (mtp tensor count, bytes
     written, {tensor name: (NaN, infinite) counts} of the tensors holding any, as written: the
     dense values, or a quantized leaf's stored values and scales)."""
-    from .store import CheckpointWriter
+    from dsv4_jax.checkpoint.store import CheckpointWriter
 
     writer = CheckpointWriter(params_dir)
     mtp_writer = CheckpointWriter(mtp_dir) if plan.mtp_names else None
@@ -175,9 +175,9 @@ def _write_tensors(plan, layout: dict, writer, mtp_writer, nonfinite: dict, prog
                    mtp_dtype) -> int:
     """The body of `_write_params`: creates the arrays, then writes each tensor as it is read,
     counting its NaN and infinite values into `nonfinite`; returns the mtp tensor count."""
-    from dsv4_jax.params import map_spec
+    from dsv4_jax.model.params import map_spec
 
-    from .load_hf import iter_sources
+    from dsv4_jax.checkpoint.load_hf import iter_sources
 
     def write(w, name: str, path: tuple, index: tuple, arr: np.ndarray) -> None:
         nan, inf = nonfinite_counts(arr)
@@ -270,9 +270,9 @@ def check_out_dir(hf_dir: str, out_dir: str, overwrite: bool) -> None:
     out_dir must not be hf_dir, be inside it or contain it, compared as the file system sees
     them (device and inode, so a symlink, '..' or a second mount of the same directory is
     caught). An existing non-empty out_dir is replaced only with `overwrite`, and only when it
-    is a previous dsv4-convert output (`dsv4_jax.loading.is_converted`: config.json with a
+    is a previous dsv4-convert output (`dsv4_jax.checkpoint.loading.is_converted`: config.json with a
     "dsv4_jax" entry, and params/) holding nothing else than what a conversion writes."""
-    from dsv4_jax.loading import is_converted
+    from dsv4_jax.checkpoint.loading import is_converted
 
     hf_stat = os.stat(hf_dir)
     real_out = os.path.realpath(out_dir)
@@ -353,9 +353,9 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", layers: int |
     one tensor (and its scale) is read, converted and written at a time."""
     import ml_dtypes
 
-    from dsv4_jax.config import ModelConfig
+    from dsv4_jax.model.config import ModelConfig
 
-    from .load_hf import plan_checkpoint
+    from dsv4_jax.checkpoint.load_hf import plan_checkpoint
 
     t0 = time.monotonic()
     if dtype not in DTYPES:
@@ -415,9 +415,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="replace OUT_DIR if it is a previous conversion (nothing else is ever replaced)")
     args = ap.parse_args(argv)
-    from dsv4_jax.config import ConfigError
+    from dsv4_jax.model.config import ConfigError
 
-    from .safetensors_io import CheckpointError
+    from dsv4_jax.checkpoint.safetensors_io import CheckpointError
 
     try:
         done = convert(args.hf_dir, args.out_dir, dtype=args.dtype, layers=args.layers,

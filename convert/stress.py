@@ -27,13 +27,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from dsv4_jax.config import ModelConfig, Yarn
-from dsv4_jax.params import F32, INT, is_spec_leaf, param_spec
-
-from . import quant
-from .export_hf import official_config
-from .names import checkpoint_layout
-from .safetensors_io import write_safetensors
+from dsv4_jax.checkpoint import quant
+from dsv4_jax.checkpoint.export_hf import official_config
+from dsv4_jax.checkpoint.names import checkpoint_layout
+from dsv4_jax.checkpoint.safetensors_io import write_safetensors
+from dsv4_jax.model.config import ModelConfig, Yarn
+from dsv4_jax.model.params import F32, INT, is_spec_leaf, param_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FP8 = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.",
@@ -151,9 +150,9 @@ def output_layer_bytes(out_dir: str) -> int:
     """The largest single layer of a converted directory, from the leaves listed in its Orbax
     checkpoint's custom metadata: every per-layer leaf's slice, plus the largest per-kind (csa /
     hca) and routing (tid2eid / gate_bias) slice."""
-    from dsv4_jax.quantized import storage_shapes
+    from dsv4_jax.model.quantized import storage_shapes
 
-    from .store import read_custom_metadata
+    from dsv4_jax.checkpoint.store import read_custom_metadata
 
     leaves = read_custom_metadata(os.path.join(out_dir, "params"))["leaves"]
     per: dict[str, int] = {}
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
         shards = build(cfg, src)
         build_s = time.monotonic() - t0
         src_du = du(src)
-        rc, _, base_rss, err = run_child(["-c", ("import convert.cli, convert.store, convert.load_hf, dsv4_jax, "
+        rc, _, base_rss, err = run_child(["-c", ("import convert.cli, dsv4_jax.checkpoint.store, dsv4_jax.checkpoint.load_hf, dsv4_jax, "
                                                  "tensorstore, jax.numpy")])
         layer_src = max(_nbytes(t) for s, t in shards.items() if s.startswith("layer-"))
         report = {

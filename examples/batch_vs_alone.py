@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
-from dsv4_jax.random_checkpoint import write_random_checkpoint  # noqa: E402
+from dsv4_jax.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax.model import forward  # noqa: E402
-from dsv4_jax.params import leaf_dtype, map_spec, param_spec  # noqa: E402
+from dsv4_jax.model.deepseek_v4 import forward  # noqa: E402
+from dsv4_jax.model.params import leaf_dtype, map_spec, param_spec  # noqa: E402
 
 
 def flash_shaped(num_layers: int) -> dsv4_jax.ModelConfig:

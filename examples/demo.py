@@ -1,6 +1,6 @@
 """The main job on an embedded default: a tiny random-weight DeepSeek-V4 checkpoint is made on
 the spot in the published format (official names, FP8 linears and FP4 experts with their
-scales, three shards, a byte-level tokenizer: `dsv4_jax.random_checkpoint`'s "tiny" preset),
+scales, three shards, a byte-level tokenizer: `dsv4_jax.tools.random_checkpoint`'s "tiny" preset),
 converted by `dsv4-convert`, loaded, and generated from.
 
     python examples/demo.py [--out DIR] [--tokens N] [--dtype native|bfloat16|float32]
@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
-from dsv4_jax.random_checkpoint import PRESETS, TINY, write_random_checkpoint  # noqa: E402
+from dsv4_jax.tools.random_checkpoint import PRESETS, TINY, write_random_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 
 from ._dispatch import dispatch

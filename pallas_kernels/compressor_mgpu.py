@@ -31,9 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4_jax.rope import apply_rope
-
 from .compressor_ref import compress_ref
+from .numerics import apply_rope
 
 HAVE_KERNEL = True
 

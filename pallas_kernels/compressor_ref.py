@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsv4_jax.norms import rms_norm
-from dsv4_jax.rope import apply_rope
+from .numerics import apply_rope, rms_norm
 
 
 def _fold(x: jnp.ndarray, op) -> jnp.ndarray:

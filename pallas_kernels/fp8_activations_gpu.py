@@ -3,7 +3,7 @@ kernel (Hopper, sm_90a), written in Pallas-Triton (also run by the Pallas interp
 
 Operands: the activations as `act_quant` (fp8_activations_ref.py) leaves them, e4m3 values
 `[M, K]` and float32 power-of-two scales `[M, ceil(K/128)]`, and the weight as
-`dsv4_jax/quantized.py` stores it, e4m3 values `[N, K]` and float32 scales
+`dsv4_jax/model/quantized.py` stores it, e4m3 values `[N, K]` and float32 scales
 `[ceil(N/128), ceil(K/128)]`; the result `[M, N]` is in the requested dtype.
 
 Per 128-wide K block, an e4m3 x e4m3 dot on the FP8 tensor cores (`wgmma ... f32.e4m3.e4m3`,

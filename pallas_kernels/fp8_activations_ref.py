@@ -62,7 +62,7 @@ def _pow2(e):
 
 
 def fp8_activation_matmul_ref(x, w):
-    """x `[M, K]` (bf16 or fp32) times w (a 2-d FP8 `QuantizedWeight` `[N, K]`, dsv4_jax/quantized.py)
+    """x `[M, K]` (bf16 or fp32) times w (a 2-d FP8 `QuantizedWeight` `[N, K]`, dsv4_jax/model/quantized.py)
     transposed, with x quantized by `act_quant`: `[M, N]` in x's dtype.
 
     For each 128-wide K block kb, in K order: the block's product q_x @ q_w.T with fp32 sums,

@@ -15,7 +15,7 @@ the kernel named "dsv4_grouped_matmul_gpu"), not a Mosaic GPU one; and the Trito
 the `pl.CostEstimate` declared on the pallas_call, so `cost_estimate` exposes it to callers and
 the op_name carries it (`_dispatch.declared_cost_scope`: what dsv4-plan counts).
 
-Inputs as `grouped_matmul_tpu` takes them (`dsv4_jax/quantized.py` formats): x `[M, K]` (bf16 or
+Inputs as `grouped_matmul_tpu` takes them (`dsv4_jax/model/quantized.py` formats): x `[M, K]` (bf16 or
 fp32) holds the rows sorted by expert (group g's rows contiguous, groups in order); group_sizes
 `[E]`; the weights as stored: plain `[E, N, K]`, FP8 e4m3 `[E, N, K]` with float32 scales
 `[E, ceil(N/128), ceil(K/128)]`, or FP4 uint8 `[E, N, K/2]` (two e2m1 codes a byte, element 2j
@@ -78,8 +78,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from ._dispatch import declared_cost_scope, layer_operand
-from .quantized_matmul_gpu import L2_BYTES
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
+from .quantized_matmul_gpu import L2_BYTES
 
 NAME = "dsv4_grouped_matmul_gpu"
 FP8_BLOCK = 128

@@ -12,7 +12,7 @@ def grouped_matmul_ref(x, w, group_sizes, *, layer=None):
     0..E-1) times each group's expert of w transposed: `[M, N]` in x's dtype, rows past
     sum(group_sizes) zero.
 
-    w: `[E, N, K]`, a plain array or a `QuantizedWeight` (dsv4_jax/quantized.py); with `layer`
+    w: `[E, N, K]`, a plain array or a `QuantizedWeight` (dsv4_jax/model/quantized.py); with `layer`
     (int scalar, may be traced) the stack `[L, E, N, K]` of every layer, of which layer `layer`
     is used. group_sizes int32 `[E]`, sum <= M. The experts are dequantized (or cast) to x's
     dtype (value times scale in fp32, rounded once), the products accumulate in fp32."""

@@ -3,7 +3,7 @@ the Pallas interpreter on CPU), in the manner of a megablox grouped matmul.
 
 x `[M, K]` holds the rows sorted by expert (group g's rows contiguous, groups in order), and
 `group_sizes` `[E]` says how many rows each expert has. The weights stay as stored
-(`dsv4_jax/quantized.py`): a plain `[E, N, K]` stack, FP8 (e4m3 values `[E, N, K]`, float32
+(`dsv4_jax/model/quantized.py`): a plain `[E, N, K]` stack, FP8 (e4m3 values `[E, N, K]`, float32
 scales `[E, ceil(N/128), ceil(K/128)]`) or FP4 (uint8 values `[E, N, K/2]`, two e2m1 codes a
 byte, and E8M0 scale bytes `[E, N, ceil(K/32)]`); optionally the stack of every layer `[L, E,
 ...]`, indexed by a traced layer number inside the index maps (a layer sliced out would be

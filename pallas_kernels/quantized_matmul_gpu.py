@@ -1,7 +1,7 @@
 """x times a block-scaled FP8 weight kept as stored: the GPU kernel (Hopper, sm_90a), written in
 Pallas-Triton (also run by the Pallas interpreter on CPU).
 
-Operands as `dsv4_jax/quantized.py` stores them: x `[M, K]` (bf16 or fp32), e4m3 values `[N, K]`
+Operands as `dsv4_jax/model/quantized.py` stores them: x `[M, K]` (bf16 or fp32), e4m3 values `[N, K]`
 and float32 scales `[ceil(N/128), ceil(K/128)]` (one per 128x128 block); the result `[M, N]` is
 in x's dtype, accumulated in fp32.
 

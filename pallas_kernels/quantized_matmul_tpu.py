@@ -1,7 +1,7 @@
 """x times a block-scaled FP8 weight: the Mosaic TPU kernel (also run by the Pallas interpreter
 on CPU).
 
-The weight stays as stored (`dsv4_jax/quantized.py`): e4m3 values `[N, K]` and float32 scales
+The weight stays as stored (`dsv4_jax/model/quantized.py`): e4m3 values `[N, K]` and float32 scales
 `[ceil(N/128), ceil(K/128)]`, one per 128x128 block. The grid is (row tiles of x, column tiles of
 the output, K tiles), K innermost, and each grid step brings a `[TN, TK]` tile of the values and
 the scales come whole into SMEM once: every stored byte is read from HBM once per row tile of x

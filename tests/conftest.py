@@ -18,7 +18,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # They trade the CPU code's speed for compile time (every comparison here is between programs
 # compiled alike, or within a stated tolerance). The TPU compiler the AOT tests drive ignores them;
 # XLA's GPU compiler takes them for the Triton kernels' code (their registers change), which is
-# why `pallas_kernels.report` compiles for GPU with XLA's defaults stated.
+# why `dsv4_jax.tools.kernel_report` compiles for GPU with XLA's defaults stated.
 for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
     if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _flag
@@ -57,7 +57,7 @@ def serving(service, args):
     the server down (its lifespan stops the engine)."""
     import uvicorn
 
-    from dsv4_jax import serve
+    from dsv4_jax.serving import serve
 
     sock = serve.listen_socket("127.0.0.1", 0)
     server = uvicorn.Server(serve.uvicorn_config(service, args, log_level="warning"))

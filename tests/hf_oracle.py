@@ -1,11 +1,11 @@
-"""The test configs, and random transformers models (dsv4_jax.hf_reference: every parameter
+"""The test configs, and random transformers models (dsv4_jax.tools.hf_reference: every parameter
 randomised) saved as HF checkpoints our loader reads."""
 
 from __future__ import annotations
 
 import torch
 
-from dsv4_jax.hf_reference import hf_config, make_model, randomize  # noqa: F401  (used by the tests)
+from dsv4_jax.tools.hf_reference import hf_config, make_model, randomize  # noqa: F401  (used by the tests)
 
 TINY = dict(  # head_dim 32, rope 8, window 8, 7 layers mixing 0/4/128, hash and learned MoE
     vocab_size=96, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=7,

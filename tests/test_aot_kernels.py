@@ -1,6 +1,6 @@
 """The Pallas kernels compiled ahead of time by the real compilers (libtpu's Mosaic for TPU v5p, v6e
 and v7x; XLA's CUDA plugin, Mosaic GPU and ptxas for an H100), from abstract inputs, on this CPU
-machine (dsv4_jax.aot; the `aot` extra). Each compile must succeed, and the compiled program must
+machine (dsv4_jax.tools.aot; the `aot` extra). Each compile must succeed, and the compiled program must
 hold the Mosaic kernel: a tpu_custom_call / Mosaic GPU custom call with the kernel's name, so a
 silent fallback to the plain-JAX reference fails. A missing compiler fails too (no skips).
 
@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dsv4_jax import aot
-from pallas_kernels import compress, report, sparse_attention
+from dsv4_jax.tools import aot
+from pallas_kernels import compress
+from dsv4_jax.tools import kernel_report as report
+from pallas_kernels import sparse_attention
 from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu
 
 TARGETS = ["v5p-8", "v6e-8", "tpu7x-8", "h100x1"]

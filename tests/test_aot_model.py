@@ -1,5 +1,5 @@
 """The model's `generate` programs compiled ahead of time for one device of TPU v5p, TPU v6e, TPU
-v7x and an H100 (dsv4_jax.aot; the `aot` extra) with attention_impl="pallas": `dsv4_jax.model.step` jitted
+v7x and an H100 (dsv4_jax.tools.aot; the `aot` extra) with attention_impl="pallas": `dsv4_jax.model.deepseek_v4.step` jitted
 as generate jits it (static cfg and last_only, the cache donated), for a prefill chunk `[B, T]`
 and a decode step `[B, 1]`, from abstract bf16 parameters and cache. The compiled program must
 hold every Mosaic kernel the layer stack calls (a silent fallback to the reference fails).
@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax import aot
-from dsv4_jax.cache import cache_spec
-from dsv4_jax.model import step
-from dsv4_jax.params import leaf_dtype, map_spec, param_spec
+from dsv4_jax.tools import aot
+from dsv4_jax.model.cache import cache_spec
+from dsv4_jax.model.deepseek_v4 import step
+from dsv4_jax.model.params import leaf_dtype, map_spec, param_spec
 
 TARGETS = ["v5p-8", "v6e-8", "tpu7x-8", "h100x1"]
 BATCH, MAX_LEN, CHUNK = 2, 256, 16
@@ -97,7 +97,7 @@ def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str
     layer's and, for the routed experts, one expert's. Not those whose input dim
     `split_input(its logical axis)` says the layout splits: they stay on XLA's partitioned
     product, which re-lays them out (`linear` module doc; a known gap)."""
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     shapes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
@@ -116,7 +116,7 @@ def _copies(text: str, shapes: set[tuple[str, str]]) -> list[str]:
     `shapes` as its dtype and trailing dims (with any leading ones) and that are not kernels,
     parameters or plumbing: copies or re-layouts of those weights. (An asynchronous copy into
     a TPU core's own memory, S(1), is the prefetch of what a kernel reads, not a copy in HBM.)"""
-    from dsv4_jax.plan import _Module
+    from dsv4_jax.tools.plan import _Module
 
     mod = _Module(text)
     fused = {c for body in mod.comps.values() for line in body for c in re.findall(r"kind=k\w+, calls=%([\w.\-]+)", line)}
@@ -160,7 +160,7 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     # the routed experts' tokens go as moe.expert_exchange says: by ragged all-to-all under
     # dp_attention (experts over 4 or 8 devices), by all-gather under tp_attention on v5p-8
     # (over expert=2)
-    from dsv4_jax.moe import expert_exchange
+    from dsv4_jax.model.moe import expert_exchange
 
     ragged = expert_exchange(s.cfg, s.mesh) == "ragged_all_to_all"
     assert ragged == (layout == "dp_attention")
@@ -175,8 +175,8 @@ def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exch
     import dataclasses
     import json
 
-    from dsv4_jax import plan
-    from dsv4_jax.presets import FLASH
+    from dsv4_jax.tools import plan
+    from dsv4_jax.model.presets import FLASH
 
     small = dict(FLASH, vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                  q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
@@ -189,7 +189,7 @@ def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exch
     s = dataclasses.replace(s, cfg=s.cfg.replace(**options))
     cache = plan.abstract_cache(s.cfg, s.batch, 1024, s.mesh, s.layout)
     ids = jax.ShapeDtypeStruct((s.batch, tokens), jnp.int32, sharding=NamedSharding(s.mesh, s.layout.spec(
-        (dsv4_jax.sharding.BATCH, None), s.mesh)))
+        (dsv4_jax.model.sharding.BATCH, None), s.mesh)))
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
         return s, aot.compile_for(target, jitted, s.params, cache, ids, s.cfg, True, mesh=s.mesh)
@@ -203,7 +203,7 @@ def test_expert_exchange_collective_bytes(tmp_path):
     (top-2) and gets their outputs back, where the all-gather sends its rows to every other
     device and reduce-scatters fp32 outputs."""
     target, tokens = "h200x8", 1
-    from dsv4_jax import plan
+    from dsv4_jax.tools import plan
 
     sent = {}
     for exchange in ("ragged_all_to_all", "all_gather"):
@@ -221,7 +221,7 @@ def test_fp8_activations_take_the_fp8_tensor_core_kernel(tmp_path):
     the shared expert's w2 split by their input dim, their partial products summed) all go
     through the FP8-activation kernel, none through the bf16-activation one; dsv4-plan's cost
     counts the kernel's flops apart (`fp8_flops`)."""
-    from dsv4_jax import plan
+    from dsv4_jax.tools import plan
 
     s, result = _compiled_small(tmp_path, "h200x8", "tp_attention", 16, fp8_activations=True)
     kernels = aot.kernel_calls(result.compiled, "cuda")
@@ -237,7 +237,7 @@ def test_fp8_activations_feed_the_v7x_mxu_fp8(tmp_path):
     FP8-activation kernel (e4m3 x e4m3 on v7x's MXU: tests/test_fp8_activations.py reads its
     matmuls), the bf16-activation FP8 kernel none of them, and dsv4-plan counts the kernel's
     flops apart (`fp8_flops`) at the FP8 rate."""
-    from dsv4_jax import plan
+    from dsv4_jax.tools import plan
     from pallas_kernels import fp8_activations_tpu
 
     s, result = _compiled_small(tmp_path, "tpu7x-8", "dp_attention", 16, fp8_activations=True)

@@ -1,4 +1,4 @@
-"""`python -m pallas_kernels.report`: the compiler facts it prints (JSON) are read from real
+"""`python -m dsv4_jax.tools.kernel_report`: the compiler facts it prints (JSON) are read from real
 compiles (libtpu for v5p; Mosaic GPU + ptxas, and XLA's Triton compile + ptxas, for the H100)
 and hang together. Run as the command, in its own process: Mosaic GPU dumps a kernel's ptxas log
 only when it compiles it, once per process, and other tests compile the same kernels."""
@@ -13,13 +13,13 @@ import sys
 from pallas_kernels import fp8_activations_gpu as fag
 from pallas_kernels import grouped_matmul_gpu as gmg
 from pallas_kernels import quantized_matmul_gpu as qmg
-from pallas_kernels import report
+from dsv4_jax.tools import kernel_report as report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "pallas_kernels.report", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dsv4_jax.tools.kernel_report", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
 
 

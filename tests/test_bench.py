@@ -1,4 +1,4 @@
-"""dsv4_jax.bench: the JSON it prints has every field, with sane positive numbers (no timing
+"""dsv4_jax.tools.bench: the JSON it prints has every field, with sane positive numbers (no timing
 thresholds: timings on a shared 2-core machine are not test material)."""
 
 import json
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from dsv4_jax import bench
-from dsv4_jax.hf_reference import make_model
+from dsv4_jax.tools import bench
+from dsv4_jax.tools.hf_reference import make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ def _positive(x):
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "dsv4_jax.bench", "--quick", "--skip-transformers", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dsv4_jax.tools.bench", "--quick", "--skip-transformers", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)  # exactly one JSON object on stdout
@@ -65,8 +65,8 @@ def test_limits_count_the_weights_a_step_reads():
     the counts against a hand count on the quick model."""
     import jax
 
-    from dsv4_jax.config import ModelConfig
-    from dsv4_jax.params import init_params
+    from dsv4_jax.model.config import ModelConfig
+    from dsv4_jax.model.params import init_params
 
     cfg = ModelConfig.from_hf(bench.QUICK_MODEL)
     params = init_params(cfg, seed=0)

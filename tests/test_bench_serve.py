@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from conftest import stderr_lines
 
-from dsv4_jax import bench_serve as bs
-from dsv4_jax import random_checkpoint as rc
+from dsv4_jax.tools import bench_serve as bs
+from dsv4_jax.tools import random_checkpoint as rc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_LEN = 99  # a request with this max_tokens gets a 400
@@ -369,7 +369,7 @@ def test_a_server_that_refuses_connections_is_one_line(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    r = subprocess.run([sys.executable, "-m", "dsv4_jax.bench_serve", "--base-url", f"http://127.0.0.1:{port}",
+    r = subprocess.run([sys.executable, "-m", "dsv4_jax.tools.bench_serve", "--base-url", f"http://127.0.0.1:{port}",
                         "--vocab-size", "10", "--num-requests", "2"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 1 and r.stdout == ""

@@ -1,4 +1,4 @@
-"""`python -m dsv4_jax.bench_speculative --quick`: the JSON it prints, and its counts, which follow
+"""`python -m dsv4_jax.tools.bench_speculative --quick`: the JSON it prints, and its counts, which follow
 from the forced drafts (it also checks itself that every run's tokens equal the run without
 speculation); bad flags are one line and exit 1."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dsv4_jax import bench_speculative
+from dsv4_jax.tools import bench_speculative
 
 
 def test_quick_run(tmp_path, capsys):

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax
-from dsv4_jax.model import Model
-from dsv4_jax.params import cast_params
+from dsv4_jax.model.deepseek_v4 import Model
+from dsv4_jax.model.params import cast_params
 from hf_oracle import FLASH_SHAPED
 
 

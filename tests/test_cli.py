@@ -13,11 +13,11 @@ from conftest import stderr_lines
 from hf_oracle import TINY
 
 import dsv4_jax
-from convert import CheckpointError
+from dsv4_jax.checkpoint.safetensors_io import CheckpointError
 from convert.cli import convert
-from convert.export_hf import write_hf_checkpoint
-from dsv4_jax import cli
-from dsv4_jax.compile_cache import CompileCounter
+from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+from dsv4_jax.tools import cli
+from dsv4_jax.runtime.compile_cache import CompileCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
@@ -84,7 +84,7 @@ def test_damaged_directory_load_error(copy, damage):
 
 _DAMAGED_CLI = """
 import json, sys
-from dsv4_jax.cli import main
+from dsv4_jax.tools.cli import main
 print(json.dumps([main(["--ckpt", d, "--ids", "1,2,3", "--max-new-tokens", "2", "--compile-cache", "off"])
                   for d in sys.argv[1:]]))
 """
@@ -179,7 +179,7 @@ def test_second_run_compiles_nothing(native, tmp_path):
     pointed at it by --compile-cache, loads every program and compiles none."""
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    argv = [sys.executable, "-m", "dsv4_jax.cli", "--ckpt", str(native), "--ids", "5,6,7;8,9", "--max-new-tokens",
+    argv = [sys.executable, "-m", "dsv4_jax.tools.cli", "--ckpt", str(native), "--ids", "5,6,7;8,9", "--max-new-tokens",
             "4", "--json"]
     runs = []
     for extra in ([], ["--compile-cache", str(tmp_path / "xdg" / "dsv4-jax" / "jax")]):
@@ -198,7 +198,7 @@ def test_second_run_compiles_nothing(native, tmp_path):
 def test_compile_cache_off_and_bad_dir(tmp_path, capsys):
     import jax
 
-    from dsv4_jax import compile_cache
+    from dsv4_jax.runtime import compile_cache
 
     before = jax.config.jax_compilation_cache_dir
     assert compile_cache.enable("off") is None and jax.config.jax_compilation_cache_dir == before
@@ -211,7 +211,7 @@ def test_compile_cache_off_and_bad_dir(tmp_path, capsys):
 # ---- item 8: the other CLIs reject bad input before the work ---------------------------------------
 
 def test_bench_out_checked_first(tmp_path, monkeypatch, capsys):
-    from dsv4_jax import bench
+    from dsv4_jax.tools import bench
 
     monkeypatch.setattr(bench, "run", lambda **kw: pytest.fail("the benchmark ran"))
     for out, msg in ((tmp_path / "missing" / "b.json", "does not exist"), (tmp_path, "is a directory")):
@@ -232,7 +232,7 @@ def test_bench_out_checked_first(tmp_path, monkeypatch, capsys):
     (["--prompts", "[[1, 2], [3]]"], r"prompts must have one length"),
 ])
 def test_index_cache_report_rejects_before_compiling(native, tmp_path, capsys, args, msg):
-    from dsv4_jax.index_cache_report import main
+    from dsv4_jax.tools.index_cache_report import main
 
     if args[0] == "--prompts":
         (tmp_path / "p.json").write_text(args[1])

@@ -22,15 +22,17 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dsv4_jax import attention as ours_attn  # noqa: E402
-from dsv4_jax import layer_weights, moe, xla_cpu  # noqa: E402
-from dsv4_jax.linear import dense  # noqa: E402
-from dsv4_jax.config import CSA, HCA, ModelConfig, Yarn  # noqa: E402
-from dsv4_jax.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
-from dsv4_jax.indexer import indexer_scores, select_topk  # noqa: E402
-from dsv4_jax.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
+from dsv4_jax.model import attention as ours_attn  # noqa: E402
+from dsv4_jax.model import layer_weights, moe, xla_cpu  # noqa: E402
+from dsv4_jax.model.linear import dense  # noqa: E402
+from dsv4_jax.model.config import ModelConfig, Yarn  # noqa: E402
+from dsv4_jax.model.layer_kinds import CSA, HCA  # noqa: E402
+from dsv4_jax.model.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
+from dsv4_jax.model.indexer import indexer_scores, select_topk  # noqa: E402
+from dsv4_jax.model.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
                           shared_expert)
-from dsv4_jax.rope import apply_rope, cos_sin, inv_freq, layer_inv_freqs  # noqa: E402
+from pallas_kernels.numerics import apply_rope
+from dsv4_jax.model.rope import cos_sin, inv_freq, layer_inv_freqs  # noqa: E402
 from pallas_kernels import sparse_attention_ref  # noqa: E402
 
 import hf_oracle  # noqa: E402
@@ -723,7 +725,7 @@ def test_dense_in_halves(rows, out, inp, halves):
 
 @pytest.mark.parametrize("fmt, out, inp", [("fp8", 256, 384), ("fp8", 128, 128), ("fp4", 64, 96), ("fp4", 256, 512)])
 def test_quantized_matmul_by_blocks(fmt, out, inp):
-    """QuantizedWeight.matmul, the TPU / GPU form of a quantized projection (dsv4_jax/linear.py:
+    """QuantizedWeight.matmul, the TPU / GPU form of a quantized projection (dsv4_jax/model/linear.py:
     the weight kept in its scale blocks), against the dequantized weight's product: the same fp32
     products summed in another order, so 1e-5 relative to the largest output (observed ~1e-6);
     FP4 codes above 7 are negative, scales span 2^-9 .. 2^6. A weight the blocks do not divide
@@ -731,7 +733,7 @@ def test_quantized_matmul_by_blocks(fmt, out, inp):
     dequantized checkpoint's, as tests/test_convert.py asserts)."""
     import ml_dtypes
 
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     g = np.random.default_rng(out + inp)
     if fmt == "fp8":

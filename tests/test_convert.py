@@ -15,13 +15,13 @@ import pytest
 from hf_oracle import TINY
 
 import dsv4_jax
-from convert import quant
+from dsv4_jax.checkpoint import quant
 from convert.cli import convert, main
-from convert.export_hf import official_config
-from convert.names import checkpoint_layout
-from convert.safetensors_io import iter_file, write_safetensors
-from dsv4_jax.loading import load_mtp
-from dsv4_jax.quantized import QuantizedWeight
+from dsv4_jax.checkpoint.export_hf import official_config
+from dsv4_jax.checkpoint.names import checkpoint_layout
+from dsv4_jax.checkpoint.safetensors_io import iter_file, write_safetensors
+from dsv4_jax.checkpoint.loading import load_mtp
+from dsv4_jax.model.quantized import QuantizedWeight
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
 
@@ -490,8 +490,8 @@ def native(quantized, tmp_path_factory):
 
 
 def test_native_keeps_quantized_leaves(native, converted):
-    from dsv4_jax.params import NATIVE_QUANT
-    from dsv4_jax.quantized import QuantizedWeight, dequantize_tree, is_quantized
+    from dsv4_jax.model.params import NATIVE_QUANT
+    from dsv4_jax.model.quantized import QuantizedWeight, dequantize_tree, is_quantized
 
     meta = json.loads((native / "config.json").read_text())
     assert meta["dtype"] == "native"
@@ -534,10 +534,10 @@ def test_native_logits_equal_dequantized(native, converted):
 
 def test_native_decode_with_per_layer_weights(native, converted, monkeypatch):
     """The CPU decode loop splits the large weights into one buffer per layer, and the routed
-    experts into one per (layer, expert) (dsv4_jax/layer_weights.py), QuantizedWeights included.
+    experts into one per (layer, expert) (dsv4_jax/model/layer_weights.py), QuantizedWeights included.
     With every weight split, with the experts left stacked, and with nothing split, greedy tokens
     from the native checkpoint equal those of the float32 conversion."""
-    from dsv4_jax import layer_weights
+    from dsv4_jax.model import layer_weights
 
     prompts = [list(map(int, np.random.default_rng(6).integers(0, CFG.vocab_size, n))) for n in (9, 30)]
     rows = {}
@@ -563,8 +563,8 @@ def test_native_mtp_and_float_source(native, quantized, tmp_path):
     for n, a in mtp.items():
         np.testing.assert_array_equal(a, ref[n], err_msg=n)
     # a float (unquantized) source stays float in native mode, in the dtype it is stored in
-    from convert.export_hf import write_hf_checkpoint
-    from dsv4_jax.quantized import is_quantized
+    from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+    from dsv4_jax.model.quantized import is_quantized
 
     src = tmp_path / "f32src"
     params = dsv4_jax.init_params(CFG, seed=3)
@@ -578,8 +578,8 @@ def test_native_mtp_and_float_source(native, quantized, tmp_path):
 
 def test_conversion_streams(quantized, tmp_path, monkeypatch):
     """The converter never builds the parameter tree: it writes each tensor as it is read."""
-    from convert import load_hf
-    from convert.store import CheckpointWriter
+    from dsv4_jax.checkpoint import load_hf
+    from dsv4_jax.checkpoint.store import CheckpointWriter
 
     def boom(*a, **k):
         raise AssertionError("read_hf_checkpoint must not be used by the converter")

@@ -16,10 +16,10 @@ from hf_oracle import TINY
 
 import dsv4_jax
 from convert.cli import OUTPUT_ENTRIES, convert, main, nonfinite_counts
-from convert.export_hf import write_hf_checkpoint
-from convert.hf_files import generation_eos_ids
-from convert.names import checkpoint_layout
-from convert.safetensors_io import CheckpointError, iter_file, write_safetensors
+from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+from dsv4_jax.checkpoint.hf_files import generation_eos_ids
+from dsv4_jax.checkpoint.names import checkpoint_layout
+from dsv4_jax.checkpoint.safetensors_io import CheckpointError, iter_file, write_safetensors
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
 VOCAB = {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}

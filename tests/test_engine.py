@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching over cache slots (dsv4_jax/engine.py).
+"""The serving engine: continuous batching over cache slots (dsv4_jax/runtime/engine.py).
 
 A request's greedy tokens must be those `generate` gives for its prompt alone, whatever else runs
 beside it: same program math in another grouping (fp32; observed logit differences about 1e-6),
@@ -14,10 +14,10 @@ import pytest
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax.engine import Engine, QueueFull
+from dsv4_jax.runtime.engine import Engine, QueueFull
 
 SLOTS, CHUNK, MAX_LEN = 4, 32, 384
-generate_module = importlib.import_module("dsv4_jax.generate")  # the module (dsv4_jax.generate is the function)
+generate_module = importlib.import_module("dsv4_jax.runtime.generate")  # the module (dsv4_jax.generate is the function)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_static_engine_runs_whole_batches_through_generate(model, alone):
     one batch, a request arriving meanwhile waits for the next, every token of a batch comes when
     it ends, and each request gets generate's tokens for its prompt alone, cut to its own limit
     and stop ids."""
-    from dsv4_jax.engine import StaticEngine
+    from dsv4_jax.runtime.engine import StaticEngine
 
     rng = np.random.default_rng(4)
     V = model.config.vocab_size

@@ -29,7 +29,7 @@ import os
 import re
 import tempfile
 
-from dsv4_jax import aot  # first: it lets JAX's CUDA plugin register without a GPU
+from dsv4_jax.tools import aot  # first: it lets JAX's CUDA plugin register without a GPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from test_kernels import _fp8_weight  # noqa: E402
 
-from dsv4_jax.quantized import QuantizedWeight  # noqa: E402
+from dsv4_jax.model.quantized import QuantizedWeight  # noqa: E402
 from pallas_kernels import fp8_activations_gpu as fag  # noqa: E402
 from pallas_kernels import fp8_activations_tpu as fat  # noqa: E402
 from pallas_kernels.fp8_activations import act_quant, fp8_activation_matmul, fp8_activation_matmul_ref  # noqa: E402
@@ -354,7 +354,7 @@ def test_tpu_kernel_compiles_with_fp8_operands(target, m, n, k):
     re-laid-out weight in HBM); every matmul of the kernel takes two e4m3 operands
     (`[rows, 128] x [128, 128]` blocks, fp32 results); and dsv4-plan counts its declared flops,
     2 M N K, as FP8 products (run at the FP8 rate where the device has one)."""
-    from dsv4_jax import plan
+    from dsv4_jax.tools import plan
 
     def fn(x, v, s):
         return fp8_activation_matmul(x, QuantizedWeight(v, s, fmt="fp8"))
@@ -391,8 +391,8 @@ def test_model_with_fp8_activations(tmp_path, monkeypatch):
     import dsv4_jax
     import pallas_kernels
     from convert.cli import main as convert_main
-    from convert.export_hf import write_hf_checkpoint
-    from dsv4_jax import xla_cpu
+    from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+    from dsv4_jax.model import xla_cpu
     from pallas_kernels import act_quant_rounded
 
     cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)
@@ -418,7 +418,7 @@ def test_routed_experts_with_fp8_activations():
     bit q s of the numpy model), then the products as usual; on CPU's blocks and the grouped form
     (TPU/GPU's, here with the grouped matmul's reference) both equal a float64 numpy composition
     of the reference's expert within fp32 sums (1e-5 of the largest output)."""
-    from dsv4_jax import moe
+    from dsv4_jax.model import moe
 
     rng = np.random.default_rng(0)
     T, k, E, D, I, limit = 12, 2, 4, 256, 160, 7.0

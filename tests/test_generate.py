@@ -16,13 +16,14 @@ import torch
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax.cache import cache_bytes, init_cache
-from dsv4_jax.compile_cache import CompileCounter
-from dsv4_jax.generate import _decode_loop, batch_bucket, length_bucket, prefill_plan
-from dsv4_jax.sampling import sample
-from dsv4_jax import layer_weights
-from dsv4_jax.layer_weights import PerExpert, PerLayer, unstack_layers
-from dsv4_jax.model import forward, step
+from dsv4_jax.model.cache import cache_bytes, init_cache
+from dsv4_jax.runtime.compile_cache import CompileCounter
+from dsv4_jax.runtime.buckets import batch_bucket, length_bucket, prefill_plan
+from dsv4_jax.runtime.generate import _decode_loop
+from dsv4_jax.runtime.sampling import sample
+from dsv4_jax.model import layer_weights
+from dsv4_jax.model.layer_weights import PerExpert, PerLayer, unstack_layers
+from dsv4_jax.model.deepseek_v4 import forward, step
 
 _step = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
 _forward = jax.jit(forward, static_argnums=2)
@@ -307,9 +308,9 @@ def test_decode_reads_the_ratio_128_state_only_when_pooling():
     branch that pools a completed block, and returns the token's row alone; the state taken before
     the `lax.cond` was copied out of the stacks on every step. The result equals compress_chunk on
     the layer's state sliced beforehand, in decode and for a chunk."""
-    from dsv4_jax import attention
-    from dsv4_jax.config import HCA
-    from dsv4_jax.rope import layer_inv_freqs
+    from dsv4_jax.model import attention
+    from dsv4_jax.model.layer_kinds import HCA
+    from dsv4_jax.model.rope import layer_inv_freqs
 
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
     params = dsv4_jax.init_params(cfg, seed=0)

@@ -1,6 +1,6 @@
 """`grouped_matmul`: the TPU kernel body (run by the Pallas interpreter on CPU) against the
 plain-JAX reference on random inputs, and the kernel compiled ahead of time for TPU v5p, v6e and
-v7x at DeepSeek-V4-Flash's routed-expert shapes (dsv4_jax.aot; the `aot` extra).
+v7x at DeepSeek-V4-Flash's routed-expert shapes (dsv4_jax.tools.aot; the `aot` extra).
 
 Tolerances (`_check`): both sides dequantize the same way (value times scale in fp32, rounded
 once to x's dtype) and accumulate in fp32; they differ only in the order of the sums (the
@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from dsv4_jax import aot
-from dsv4_jax.quantized import QuantizedWeight
-from pallas_kernels import grouped_matmul, grouped_matmul_ref, report
+from dsv4_jax.tools import aot
+from dsv4_jax.model.quantized import QuantizedWeight
+from pallas_kernels import grouped_matmul, grouped_matmul_ref
+from dsv4_jax.tools import kernel_report as report
 from pallas_kernels import grouped_matmul_tpu as gmt
 
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -1,7 +1,7 @@
 """`grouped_matmul_gpu` (the Pallas-Triton kernel for Hopper): its body run by the Pallas
 interpreter on CPU against the plain-JAX reference, its grid metadata, its declared cost, and
 the kernel compiled ahead of time for an H100 (sm_90a, through XLA's Triton and ptxas;
-dsv4_jax.aot, the `aot` extra) at DeepSeek-V4-Flash's routed-expert shapes. A missing compiler
+dsv4_jax.tools.aot, the `aot` extra) at DeepSeek-V4-Flash's routed-expert shapes. A missing compiler
 fails (no skips). Nothing here runs on a GPU.
 
 Tolerances (`_check`, as tests/test_grouped_matmul.py): kernel and reference dequantize the same
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import aot
-from dsv4_jax.quantized import QuantizedWeight
+from dsv4_jax.tools import aot
+from dsv4_jax.model.quantized import QuantizedWeight
 from pallas_kernels import grouped_matmul, grouped_matmul_ref
 from pallas_kernels import grouped_matmul_gpu as gmg
 from test_grouped_matmul import _check, _weight  # the TPU kernel's tests' operands and tolerances
@@ -225,7 +225,7 @@ def test_grouped_matmul_gpu_compiles_for_h100(case):
 @pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill", "fp4-w2-prefill-ep", "fp8-w1-prefill-ep"])
 def test_grouped_matmul_gpu_registers(case, tmp_path):
     """The kernel's PTX (XLA's dump of the h100x1 compile) through ptxas -v for sm_90a (the
-    CUDA 12.9 one XLA uses, first on PATH once dsv4_jax.aot is imported): no spills and no
+    CUDA 12.9 one XLA uses, first on PATH once dsv4_jax.tools.aot is imported): no spills and no
     stack at any tile choice (the 128 x 256 prefill tiles hold a 128-register accumulator a
     thread), and its shared memory (XLA's thunk sequence) within Hopper's 227 KB a block."""
     fmt, m, n, k, e = FLASH[case]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dsv4_jax import aot, plan
+from dsv4_jax.tools import aot, plan
 from pallas_kernels import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref
 from pallas_kernels.hyper_connection_tpu import COLLAPSE_NAME, EXPAND_NAME, hc_collapse_tpu, hc_expand_tpu
 from test_aot_model import _copies

@@ -6,11 +6,11 @@ import pytest
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax import attention
-from dsv4_jax.cache import init_cache
-from dsv4_jax.config import ConfigError
-from dsv4_jax.index_cache import index_cache_schedule
-from dsv4_jax.model import forward, step
+from dsv4_jax.model import attention
+from dsv4_jax.model.cache import init_cache
+from dsv4_jax.model.config import ConfigError
+from dsv4_jax.model.index_cache import index_cache_schedule
+from dsv4_jax.model.deepseek_v4 import forward, step
 from test_config import FLASH, PRO
 
 BASE = dsv4_jax.ModelConfig.from_hf(H.TINY)  # ratio-4 layers 1, 3, 6
@@ -54,7 +54,7 @@ def test_settable_from_config_json_and_keywords(tmp_path):
     cfg = dsv4_jax.ModelConfig.from_hf(dict(H.TINY, use_index_cache=True, index_topk_freq=2,
                                             index_cache_skip_compressor=True))
     assert cfg.use_index_cache and cfg.index_topk_freq == 2 and cfg.index_cache_skip_compressor
-    from convert.export_hf import write_hf_checkpoint
+    from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
     write_hf_checkpoint(dsv4_jax.init_params(BASE, 0), BASE, str(tmp_path))
     m = dsv4_jax.load(tmp_path, use_index_cache=True, index_topk_pattern="FS")
     assert index_cache_schedule(m.config).reusing == (3,)
@@ -145,8 +145,8 @@ def test_measured_overlap(params):
 def test_report_json(tmp_path, capsys):
     """The report's command runs and prints the fields it promises (values are measured, not
     asserted beyond their ranges)."""
-    from convert.export_hf import write_hf_checkpoint
-    from dsv4_jax.index_cache_report import main
+    from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+    from dsv4_jax.tools.index_cache_report import main
 
     write_hf_checkpoint(dsv4_jax.init_params(BASE, 1, std=0.1), BASE, str(tmp_path))
     off = ["--compile-cache", "off"]

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import compress, compress_ref, sparse_attention, sparse_attention_ref
+from pallas_kernels import compress, compress_ref
+from pallas_kernels import sparse_attention, sparse_attention_ref
 from pallas_kernels import sparse_attention_tpu as sat
 from pallas_kernels.compressor_tpu import compress_tpu
 
@@ -176,7 +177,7 @@ def test_compress_empty_and_ref_impl():
 def _fp8_weight(n, k, dtype, seed, float_scales=False):
     """A random FP8 weight `[n, k]`: e4m3 values over their whole range (subnormals included) and
     power-of-two block scales (E8M0, as V4 stores them), or arbitrary positive float scales."""
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     rng = np.random.default_rng(seed)
     values = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-9, 8, (n, k))).clip(-448, 448)
@@ -217,7 +218,7 @@ def test_fp8_matmul_dequantizes_exactly(dtype):
 def test_quantized_matmul_reads_a_layer_of_a_stack(impl):
     """With `layer` (traced, as inside the layer scan), the weight is a stack `[L, N, K]` and the
     result is x times layer `layer`'s weight (the kernel indexes the stack; nothing sliced out)."""
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     parts = [_fp8_weight(200, 300, jnp.float32, seed=s) for s in (11, 12, 13)]
     stack = QuantizedWeight(jnp.stack([p.values for p in parts]), jnp.stack([p.scale for p in parts]), fmt="fp8")
@@ -250,7 +251,7 @@ def test_fp4_matmul_matches_ref(m, n, k, dtype):
     read in place, and leading axes of x kept."""
     from test_grouped_matmul import _weight
 
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     w = _weight("fp4", (), n, k, seed=m + n).replace(dtype_name=jnp.dtype(dtype).name)
     x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)), dtype)

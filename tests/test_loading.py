@@ -11,9 +11,10 @@ import pytest
 from hf_oracle import TINY
 
 import dsv4_jax
-from convert import CheckpointError, checkpoint_layout, official_name
-from convert.export_hf import write_hf_checkpoint
-from convert.safetensors_io import iter_file, write_safetensors
+from dsv4_jax.checkpoint.safetensors_io import CheckpointError
+from dsv4_jax.checkpoint.names import checkpoint_layout, official_name
+from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+from dsv4_jax.checkpoint.safetensors_io import iter_file, write_safetensors
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
 
@@ -137,7 +138,7 @@ def test_quantized_weight_without_scale_is_an_error(ckpt):
 
 
 def test_fp8_weight_with_scale_in_another_shard_loads(ckpt, params):
-    from convert.quant import dequantize_fp8, quantize_fp8
+    from dsv4_jax.checkpoint.quant import dequantize_fp8, quantize_fp8
 
     q, sc = quantize_fp8(np.asarray(params["layers"]["attn"]["wq_a"][0], np.float32))
 

@@ -15,10 +15,10 @@ import pytest
 import dsv4_jax
 import hf_oracle as H
 from convert.cli import main as convert_main
-from convert.export_hf import write_hf_checkpoint
-from dsv4_jax import sharding, xla_cpu
-from dsv4_jax.cache import init_cache
-from dsv4_jax.model import step
+from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
+from dsv4_jax.model import sharding, xla_cpu
+from dsv4_jax.model.cache import init_cache
+from dsv4_jax.model.deepseek_v4 import step
 
 MESHES = [{"data": 8}, {"expert": 8}, {"data": 2, "expert": 4}, {"data": 2, "tensor": 2, "expert": 2}]
 MESH_IDS = ["data8", "expert8", "data2-expert4", "data2-tensor2-expert2"]
@@ -154,7 +154,7 @@ def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     """The serving engine on data=2 x expert=4 (dp_attention): its 8 slots split over the devices
     by sequence (each device holds one slot's cache row), requests joining while others decode:
     each request's greedy tokens equal one device's."""
-    from dsv4_jax.engine import Engine
+    from dsv4_jax.runtime.engine import Engine
 
     prompts, want = greedy_alone
     model = dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 2, "expert": 4}))
@@ -215,8 +215,8 @@ def test_quantized_dense_runs_the_kernel_per_device(layout, axes, kernel, fp8_ac
     where the input dim is split: equal to `fp8_activation_matmul_ref` on one device, and not to
     the product of the activations as they are."""
     import pallas_kernels
-    from dsv4_jax import linear
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model import linear
+    from dsv4_jax.model.quantized import QuantizedWeight
     from jax.sharding import NamedSharding
 
     mesh = sharding.make_mesh(MESHES[3])
@@ -298,7 +298,7 @@ def test_ragged_all_to_all_exchange_equals_one_device(native, single, monkeypatc
     gives one device's logits (within 1e-5 of the largest, as the other mesh tests). With a
     capacity of 0.3 T k rows per round, every exchange takes several rounds (a device receives
     T k rows on average)."""
-    from dsv4_jax import moe
+    from dsv4_jax.model import moe
 
     monkeypatch.setattr(moe, "EXCHANGE_CAPACITY", capacity)
     monkeypatch.setattr(moe, "ragged_all_to_all", _ragged_all_to_all_twin)
@@ -316,7 +316,7 @@ def test_expert_exchange_rule():
     """`moe.expert_exchange`: "auto" takes the ragged all-to-all when the experts split over more
     than EXCHANGE_CAPACITY (2) devices and the layout allows it; a forced choice the layout
     cannot run is an error naming the axes."""
-    from dsv4_jax import moe
+    from dsv4_jax.model import moe
 
     cfg = dsv4_jax.ModelConfig.from_hf(dict(CONFIG, num_experts_per_tok=6, n_routed_experts=16))
     dp = cfg.replace(layout=sharding.get_layout("dp_attention"))

@@ -1,4 +1,4 @@
-"""The multi-token-prediction block (dsv4_jax/mtp.py) against a reference written from
+"""The multi-token-prediction block (dsv4_jax/model/mtp.py) against a reference written from
 architecture.md §9 in torch, loaded from checkpoints (HF, converted float32 and native), and the
 main model's final hidden streams it takes (`step(..., return_hidden=True)`).
 
@@ -23,13 +23,14 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M  # noqa: E
 import dsv4_jax  # noqa: E402
 import hf_oracle as H  # noqa: E402
 from convert.cli import convert  # noqa: E402
-from convert.export_hf import write_hf_checkpoint  # noqa: E402
-from convert.safetensors_io import CheckpointError  # noqa: E402
-from dsv4_jax import mtp  # noqa: E402
-from dsv4_jax.cache import init_cache, put_rows, reset_rows, take_rows  # noqa: E402
-from dsv4_jax.model import lm_logits, step  # noqa: E402
-from dsv4_jax.quantized import QuantizedWeight, dequantize_tree, is_quantized  # noqa: E402
-from dsv4_jax.random_checkpoint import mtp_tensors  # noqa: E402
+from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint  # noqa: E402
+from dsv4_jax.checkpoint.safetensors_io import CheckpointError  # noqa: E402
+from dsv4_jax.model import mtp  # noqa: E402
+from dsv4_jax.model.cache import init_cache, put_rows, reset_rows, take_rows  # noqa: E402
+from dsv4_jax.model.deepseek_v4 import lm_logits, step  # noqa: E402
+from dsv4_jax.model.quantized import QuantizedWeight, dequantize_tree, is_quantized  # noqa: E402
+from dsv4_jax.checkpoint.names import mtp_checkpoint_layout  # noqa: E402
+from dsv4_jax.tools.random_checkpoint import mtp_tensors  # noqa: E402
 
 D_CFG = H.TINY  # window 8, hc 4, 8 experts top-2, swiglu limit 0.5
 CFG = dsv4_jax.ModelConfig.from_hf(D_CFG)
@@ -235,7 +236,7 @@ def test_hidden_streams_of_step_equal_transformers(tmp_path):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """An HF checkpoint in the published format (FP8 linears, e_proj / h_proj included, FP4
-    experts; dsv4_jax.random_checkpoint's MTP tensors) and its float32 and native conversions."""
+    experts; dsv4_jax.tools.random_checkpoint's MTP tensors) and its float32 and native conversions."""
     root = tmp_path_factory.mktemp("mtp_ckpt")
     hf = root / "hf"
     write_hf_checkpoint(dsv4_jax.init_params(CFG, seed=8), CFG, str(hf), num_shards=2, quantize=True,
@@ -284,9 +285,9 @@ def test_tree_matches_the_checkpoint_names(checkpoints):
     experts FP4-rounded, the rest as written)."""
     hf, f32, _ = checkpoints
     tree = dsv4_jax.load_mtp_params(f32)
-    stored = dsv4_jax.loading.load_mtp(f32)
-    assert len(stored) == len(mtp.checkpoint_names(CFG))
-    for name, (path, index) in mtp.checkpoint_names(CFG).items():
+    stored = dsv4_jax.checkpoint.loading.load_mtp(f32)
+    assert len(stored) == len(mtp_checkpoint_layout(CFG))
+    for name, (path, index) in mtp_checkpoint_layout(CFG).items():
         leaf = tree
         for k in path:
             leaf = leaf[k]
@@ -335,7 +336,7 @@ def test_converted_without_mtp_is_an_error(tmp_path):
 
 def test_random_init_and_spec():
     """init_mtp_params follows mtp_param_spec, with nothing left trivial; the cache is the
-    one-layer model's, so the engine's row operations (dsv4_jax.cache) apply to it."""
+    one-layer model's, so the engine's row operations (dsv4_jax.model.cache) apply to it."""
     spec = mtp.mtp_param_spec(CFG)
     params = mtp.init_mtp_params(CFG, seed=0, dtype=jnp.bfloat16)
     flat_spec = jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2

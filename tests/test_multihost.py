@@ -13,7 +13,7 @@ import pytest
 
 import dsv4_jax
 from convert.cli import main as convert_main
-from dsv4_jax.random_checkpoint import write_random_checkpoint
+from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _cli(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "dsv4_jax.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "dsv4_jax.tools.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -1,4 +1,4 @@
-"""dsv4-plan (dsv4_jax/plan.py) on small configs: a few layers of Flash's shapes (its head_dim 512,
+"""dsv4-plan (dsv4_jax/tools/plan.py) on small configs: a few layers of Flash's shapes (its head_dim 512,
 rope 64, index heads of 128, window 128, every layer kind, FP8 linears and FP4 experts, narrower
 widths and fewer experts so that it compiles in seconds), planned for one target with the
 max_context search; a model too big for one H100; and bad input. The full-size plans (minutes
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from dsv4_jax import aot, plan
-from dsv4_jax.presets import FLASH, preset
+from dsv4_jax.tools import aot, plan
+from dsv4_jax.model.presets import FLASH, preset
 
 SMALL = dict(FLASH, vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
              q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
@@ -124,7 +124,7 @@ def test_cost_counts_kernels_by_their_declared_cost(target):
     import jax
     import jax.numpy as jnp
 
-    from dsv4_jax.moe import ROUTED_SCOPE
+    from dsv4_jax.model.moe import ROUTED_SCOPE
     from pallas_kernels import grouped_matmul
 
     def f(x, w, v, g):
@@ -176,10 +176,10 @@ def test_indivisible_layout_is_an_error(tmp_path, capsys):
 
 
 def test_module_entry_point(tmp_path):
-    """`python -m dsv4_jax.plan`: bad input exits 1 with its one line and no JSON."""
+    """`python -m dsv4_jax.tools.plan`: bad input exits 1 with its one line and no JSON."""
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    r = subprocess.run([sys.executable, "-m", "dsv4_jax.plan", str(bad), "--target", "v5p-8"],
+    r = subprocess.run([sys.executable, "-m", "dsv4_jax.tools.plan", str(bad), "--target", "v5p-8"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == ""
     ours = [line for line in r.stderr.splitlines() if line.startswith("dsv4-plan: error: ")]

@@ -14,8 +14,8 @@ import pytest
 
 import dsv4_jax
 import hf_oracle as H
-from dsv4_jax.cache import init_cache, put_rows, reset_rows, take_rows
-from dsv4_jax.model import forward, step
+from dsv4_jax.model.cache import init_cache, put_rows, reset_rows, take_rows
+from dsv4_jax.model.deepseek_v4 import forward, step
 
 _step = jax.jit(step, static_argnums=(3, 4, 5), donate_argnums=1)
 _forward = jax.jit(forward, static_argnums=2)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from dsv4_jax import aot  # first: it lets JAX's CUDA plugin register without a GPU
+from dsv4_jax.tools import aot  # first: it lets JAX's CUDA plugin register without a GPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -90,7 +90,7 @@ def test_fp8_matmul_gpu_compiles_for_hopper(target, case):
     """Through `quantized_matmul` (impl "pallas" and "auto"), the program compiled for an H100 (or
     one H200 of eight) is the one Triton kernel, named, and no other op touches the weight (a copy
     or re-layout of it would be an instruction of its shape)."""
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     m, n, k, dtype = COMPILE[case]
     blocks = (-(-n // 128), -(-k // 128))
@@ -112,7 +112,7 @@ def test_fp8_matmul_gpu_reads_a_layer_of_a_stack():
     """With `layer` (traced), the kernel reads that layer of the stack `[L, N, K]`: its numerics in
     the interpreter, and compiled for an H100, no instruction but the kernel's call holds the
     stack or a layer of it (a slice of it, as the kernel's operand, would be a copy)."""
-    from dsv4_jax.quantized import QuantizedWeight
+    from dsv4_jax.model.quantized import QuantizedWeight
 
     parts = [_fp8_weight(136, 260, BF16, seed=s) for s in (21, 22)]
     values, scale = jnp.stack([p.values for p in parts]), jnp.stack([p.scale for p in parts])

@@ -1,4 +1,4 @@
-"""dsv4_jax.random_checkpoint: the checkpoint converts, loads and generates; its tokenizer round-trips
+"""dsv4_jax.tools.random_checkpoint: the checkpoint converts, loads and generates; its tokenizer round-trips
 any text inside the vocabulary; the mtp.0.* tensors have architecture.md §10's shapes; the same
 seed gives the same bytes; a user's directory is never written over."""
 
@@ -15,10 +15,10 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 import dsv4_jax
 from convert.cli import convert
-from convert.names import checkpoint_layout
-from convert.safetensors_io import scan_checkpoint
-from dsv4_jax import random_checkpoint as rc
-from dsv4_jax.loading import load_mtp
+from dsv4_jax.checkpoint.names import checkpoint_layout
+from dsv4_jax.checkpoint.safetensors_io import scan_checkpoint
+from dsv4_jax.tools import random_checkpoint as rc
+from dsv4_jax.checkpoint.loading import load_mtp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIALS = {rc.BOS: 0, rc.EOS: 1, rc.USER: None, rc.ASSISTANT: None, rc.THINK: None, rc.END_THINK: None}
@@ -215,7 +215,7 @@ def test_refuses_a_users_directory_and_leaves_nothing_behind(tmp_path, capsys):
 
 def test_cli_writes_and_overwrite_replaces_only_a_random_checkpoint(tmp_path, capsys):
     target = tmp_path / "a" / "b" / "ckpt"  # missing parents are created
-    cmd = [sys.executable, "-m", "dsv4_jax.random_checkpoint", str(target), "--preset", "tiny"]
+    cmd = [sys.executable, "-m", "dsv4_jax.tools.random_checkpoint", str(target), "--preset", "tiny"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert len(stderr_lines(r.stderr)) == 1 and f"wrote {target}" in r.stderr

@@ -76,7 +76,7 @@ def test_python_blocks_call_the_package_as_shown():
 
 def test_python_blocks_run(tmp_path):
     """The Use block, run as written on a tiny checkpoint (its path and `input_ids` filled in)."""
-    from convert.export_hf import write_hf_checkpoint
+    from dsv4_jax.checkpoint.export_hf import write_hf_checkpoint
     from hf_oracle import TINY
 
     cfg = dsv4_jax.ModelConfig.from_hf(TINY)
@@ -97,7 +97,7 @@ def test_named_apis_exist():
     bound to its signature unless written `name(...)`."""
     names = {n for n in re.findall(r"\b((?:%s)(?:\.\w+)+)(?![\w/])" % "|".join(PACKAGES), README)
              if not _is_file_name(n)}
-    assert {"dsv4_jax.index_cache_schedule", "dsv4_jax.loading.load_mtp"} <= names
+    assert {"dsv4_jax.index_cache_schedule", "dsv4_jax.checkpoint.loading.load_mtp"} <= names
     for dotted in sorted(names):
         _resolve(dotted)  # raises if missing
     checked_calls = set()
@@ -122,7 +122,7 @@ def test_named_apis_exist():
 
 def test_named_paths_exist():
     paths = {s for s in _spans() if re.fullmatch(r"(dsv4_jax|convert|pallas_kernels|tests|examples|docs)/[\w./-]*", s)}
-    assert "dsv4_jax/layer_weights.py" in paths
+    assert "dsv4_jax/model/layer_weights.py" in paths
     for p in sorted(paths):
         assert os.path.exists(os.path.join(ROOT, p.split("::")[0])), p
     for s in _spans():
@@ -192,7 +192,7 @@ def _parts(command: str) -> list[tuple]:
     """(program, text) pairs whose flags belong to that program. serve_compare passes flags on:
     its --server values and --serve-flags to dsv4-serve, everything after `--` to dsv4-bench-serve."""
     prog = _program(command)
-    if prog != ("module", "dsv4_jax.serve_compare"):
+    if prog != ("module", "dsv4_jax.tools.serve_compare"):
         return [(prog, command)]
     own, _, bench = command.replace("\\ ", " ").partition(" -- ")
     words = shlex.split(own)

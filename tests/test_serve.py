@@ -1,5 +1,5 @@
 """dsv4-serve against a live server: uvicorn on a free port in a thread, serving the random tiny
-checkpoint (dsv4_jax.random_checkpoint, converted to float32), driven with the `openai` client and
+checkpoint (dsv4_jax.tools.random_checkpoint, converted to float32), driven with the `openai` client and
 raw HTTP; plus the chat format, the detokenizer and the command line.
 
 Greedy parity: a request's tokens must be those `dsv4_jax.generate` gives for its prompt alone
@@ -29,15 +29,16 @@ from tokenizers import Tokenizer
 
 import dsv4_jax
 from convert.cli import convert
-from dsv4_jax import bench_serve, chat, serve, tokenization
-from dsv4_jax.compile_cache import CompileCounter
-from dsv4_jax.random_checkpoint import write_random_checkpoint
+from dsv4_jax.tools import bench_serve
+from dsv4_jax.serving import chat, serve, tokenization
+from dsv4_jax.runtime.compile_cache import CompileCounter
+from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS, CHUNK, MAX_LEN, MAX_QUEUE = 2, 16, 128, 8
 FLAGS = ["--dtype", "float32", "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK),
          "--max-queue", str(MAX_QUEUE), "--compile-cache", "off"]
-generate_module = sys.modules["dsv4_jax.generate"]  # the module (dsv4_jax.generate is the function)
+generate_module = sys.modules["dsv4_jax.runtime.generate"]  # the module (dsv4_jax.generate is the function)
 
 # (name, endpoint, prompt or messages, max_tokens, sampling); all run at once in the parity test.
 SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
@@ -448,7 +449,7 @@ def test_spec_decode_counters_exported_when_the_engine_has_them():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dsv4_jax.random_checkpoint import build_tokenizer
+    from dsv4_jax.tools.random_checkpoint import build_tokenizer
 
     return build_tokenizer(512, seed=0)
 
@@ -556,9 +557,9 @@ def test_bad_flags_and_checkpoints_are_one_line(setup, tmp_path, capsys):
 
 
 def test_command_serves_and_stops_gracefully_on_sigterm(setup):
-    """`python -m dsv4_jax.serve` (no warm-up, any port): it answers, and SIGTERM ends it with
+    """`python -m dsv4_jax.serving.serve` (no warm-up, any port): it answers, and SIGTERM ends it with
     status 0 after a graceful shutdown."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serve", "--ckpt", str(setup["ckpt"]), *FLAGS,
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serving.serve", "--ckpt", str(setup["ckpt"]), *FLAGS,
                              "--no-warmup", "--port", "0", "--served-model-name", "tiny"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

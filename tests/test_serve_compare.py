@@ -1,9 +1,9 @@
-"""`python -m dsv4_jax.serve_compare`: its comparison of bench reports, and bad input rejected
+"""`python -m dsv4_jax.tools.serve_compare`: its comparison of bench reports, and bad input rejected
 before any server starts (a live run is what docs/serving.md's tables come from)."""
 
 import pytest
 
-from dsv4_jax import serve_compare
+from dsv4_jax.tools import serve_compare
 
 
 def _report(throughput, ttft, tpot):

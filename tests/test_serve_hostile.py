@@ -6,7 +6,7 @@ responses, warm-up progress, and a SIGTERM with requests in flight and a request
 One live server for the module (uvicorn in a thread, configured as `dsv4-serve` configures it:
 `serve.uvicorn_config`), on the random tiny checkpoint in float32 with 4 slots, a queue of 1, an
 API key, an 8 MB body limit and a 2 s read deadline; the shutdown test runs `python -m
-dsv4_jax.serve` twice in a subprocess."""
+dsv4_jax.serving.serve` twice in a subprocess."""
 
 import http.client
 import json
@@ -26,8 +26,8 @@ import pytest
 from conftest import serving, stderr_lines
 
 from convert.cli import convert
-from dsv4_jax import chat, serve, tokenization
-from dsv4_jax.random_checkpoint import write_random_checkpoint
+from dsv4_jax.serving import chat, serve, tokenization
+from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS, MAX_LEN, CHUNK, KEY, MAX_BODY, READ_S = 4, 128, 16, "sk-test-key", 8_000_000, 2.0
@@ -461,7 +461,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(live):
 # ---- 8. warm-up progress and 5. SIGTERM ---------------------------------------------------------
 
 def _start(ckpt, cache, extra=()):
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serve", "--ckpt", str(ckpt), "--dtype", "float32",
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serving.serve", "--ckpt", str(ckpt), "--dtype", "float32",
                              "--slots", "3", "--max-len", "2048", "--prefill-chunk", str(CHUNK), "--port", "0",
                              "--compile-cache", str(cache), "--timeout-graceful-shutdown", "2", *extra],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -569,7 +569,7 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dsv4_jax.random_checkpoint import build_tokenizer
+    from dsv4_jax.tools.random_checkpoint import build_tokenizer
 
     return build_tokenizer(512, seed=0)
 

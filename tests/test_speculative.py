@@ -1,4 +1,4 @@
-"""Speculative decoding with the MTP block (dsv4_jax/speculative.py).
+"""Speculative decoding with the MTP block (dsv4_jax/runtime/speculative.py).
 
 Greedy output with speculation must be token for token the output without it: the verification
 runs the same fp32 math in chunks of k + 1 (logits equal to about 1e-6, test_generate's
@@ -13,9 +13,9 @@ import pytest
 
 import dsv4_jax
 from convert.cli import main as convert_main
-from dsv4_jax.generate import run_request, validate_request
-from dsv4_jax.random_checkpoint import write_random_checkpoint
-from dsv4_jax.speculative import Forced, accept
+from dsv4_jax.runtime.generate import run_request, validate_request
+from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
+from dsv4_jax.runtime.speculative import Forced, accept
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def alone_in_chunks_of_16(model):
 
     def run(prompt, n):
         mp = pytest.MonkeyPatch()
-        mp.setattr(sys.modules["dsv4_jax.generate"], "PREFILL_CHUNK", 16)
+        mp.setattr(sys.modules["dsv4_jax.runtime.generate"], "PREFILL_CHUNK", 16)
         try:
             return dsv4_jax.generate(model, [prompt], n, eos_token_id=None).rows()[0]
         finally:
@@ -147,7 +147,7 @@ def test_engine_speculates_per_request(model, prompts, alone_in_chunks_of_16):
     """The engine with 3 drafts a round, requests asking for 3, 1, 2 and 0 of them (and a fifth
     waiting for a slot): every request's greedy tokens equal generate's alone, and the counters
     add up (each round of a request proposes its own number of drafts)."""
-    from dsv4_jax.engine import Engine
+    from dsv4_jax.runtime.engine import Engine
 
     eng = Engine(model, slots=4, max_len=256, prefill_chunk=16, speculative_tokens=3)
     asks = [3, 1, 2, 0, 3]
@@ -165,7 +165,7 @@ def test_engine_warmup_with_speculation_changes_no_state(model, prompts, alone_i
     """warm-up runs the verification round and the prefill (MTP block included) on random ids in
     rows that hold: the state after it is a new engine's, leaf for leaf, and a request then gets
     generate's tokens."""
-    from dsv4_jax.engine import Engine
+    from dsv4_jax.runtime.engine import Engine
 
     eng = Engine(model, slots=1, max_len=64, prefill_chunk=16, speculative_tokens=2)
     assert eng.warmup(decode_runs=2) == 2
@@ -187,7 +187,7 @@ def test_server_speculates(model, tmp_path_factory, prompts, alone_in_chunks_of_
     import uvicorn
 
     from convert.cli import convert
-    from dsv4_jax import serve
+    from dsv4_jax.serving import serve
 
     root = tmp_path_factory.mktemp("spec-serve")
     convert(write_random_checkpoint(str(root / "hf"), "tiny", with_mtp=True), str(root / "ckpt"), dtype="float32")

@@ -1,0 +1,404 @@
+"""Attention of one layer over a chunk of T tokens per row, row b at positions p0[b] .. p0[b]+T-1,
+given the cache. Every row has its own position: its own window-ring slots, compression-block
+phase, pool length, RoPE positions and causal limits (`p0` is int32 `[B]`; a scalar is broadcast).
+
+Every layer attends to a sliding window of `sliding_window` keys (the token itself included):
+cached ring rows for positions before p0, the chunk's own rows after. Ratio-4 layers add the
+indexer's top-k compressed entries, ratio-128 layers every visible compressed entry. Entry j
+(pooled from block j, plus block j-1 with overlap) is visible to the query at t iff
+j < (t + 1) // ratio, so a block's entry is visible from the token that completes it. Entries
+completed inside the chunk are computed here and attended to directly (the cache is only read);
+the caller stores them afterwards.
+
+A query's keys are its window and its compressed rows, in one softmax with the per-head sink
+(`attend`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+from pallas_kernels._dispatch import dispatch
+from pallas_kernels.numerics import apply_rope, rms_norm, unweighted_rms_norm
+from . import xla_cpu
+from .config import ModelConfig
+from .layer_kinds import CSA
+from .indexer import indexer_scores, select_topk
+from .layer_weights import LayerSlice, own_weight, with_weight
+from .linear import dense, weight_array
+from .rope import cos_sin
+from .sharding import BATCH, HEADS, per_device, rows_axis
+
+
+def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
+    """x `[B, T, D]` -> (q `[B, T, H, Dh]`, q latent `[B, T, Q]`).
+
+    q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), rope on its last dims."""
+    c_q = rms_norm(dense(x, p["wq_a"], cfg), p["q_norm"], cfg.rms_norm_eps)
+    q = dense(c_q, p["wq_b"], cfg).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
+    q = unweighted_rms_norm(q, cfg.rms_norm_eps)
+    return apply_rope(q, cos[..., None, :], sin[..., None, :]), c_q
+
+
+def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """x `[B, T, D]` -> the shared K=V row `[B, T, Dh]`: kv_norm(wkv x), rope on its last dims."""
+    kv = rms_norm(dense(x, p["wkv"], cfg), p["kv_norm"], cfg.rms_norm_eps)
+    return apply_rope(kv, cos, sin)
+
+
+def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """o `[B, T, H, Dh]` -> `[B, T, D]`: inverse rope at the query position, then the grouped
+    low-rank projection (wo_a per group of H/G heads, then wo_b)."""
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    B, T = o.shape[:2]
+    G = cfg.o_groups
+    o = o.reshape(B, T, G, -1)
+
+    def grouped(wo_a, o):
+        wo_a = weight_array(own_weight(wo_a)).reshape(G, cfg.o_lora_rank, -1)
+        z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
+        return z.astype(wo_a.dtype).reshape(B, T, -1)
+
+    wo_a = p["wo_a"]
+    # a layer of the stack: read in place by the kernel on TPU and GPU
+    device = partial(_grouped_output, cfg=cfg) if isinstance(wo_a, LayerSlice) else grouped
+    z = xla_cpu.choose(wo_a, o, cpu=partial(with_weight, grouped), device=device)
+    return dense(z, p["wo_b"], cfg)
+
+
+def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """`output`'s grouped projection by `pallas_kernels.grouped_matmul`: the G groups' rows as
+    its groups, each times its block of wo_a (a LayerSlice `[G*O, H*Dh/G]`), read in place in
+    the layer stack (XLA turns a product of a few rows by a layer's slice into a float32 copy
+    of the slice); per device on a mesh, as the heads are split. o `[B, T, G, H*Dh/G]` ->
+    `[B, T, G*O]` in wo_a's dtype."""
+    batch = rows_axis(cfg, o.shape[0])
+
+    def local(o, stack, layer):
+        b, t, g, d = o.shape
+        rows = jnp.swapaxes(o.reshape(b * t, g, d), 0, 1).reshape(g * b * t, d).astype(stack.dtype)
+        w = stack.reshape(stack.shape[0], g, -1, d)
+        sizes = jnp.full((g,), b * t, jnp.int32)
+        z = pallas_kernels.grouped_matmul(rows, w, sizes, layer=layer, impl=cfg.attention_impl)
+        return jnp.swapaxes(z.reshape(g, b * t, -1), 0, 1).reshape(b, t, -1)
+
+    run = per_device(cfg, local, ((batch, None, HEADS, None), (None, HEADS, None), None), (batch, None, HEADS))
+    return run(o, wo_a.stack, wo_a.index)
+
+
+def row_positions(p0, batch: int) -> jnp.ndarray:
+    """p0 as int32 `[B]`: one first position per row (a scalar is every row's)."""
+    return jnp.broadcast_to(jnp.asarray(p0, jnp.int32), (batch,))
+
+
+def window_indices(p0: jnp.ndarray, T: int, window: int, ring: int) -> jnp.ndarray:
+    """`[B, T, W]` int32 indices into [ring (`ring` >= W rows) | chunk (T rows)] for p0 `[B]`: for the
+    query at p0 + i the positions p0+i-W+1 .. p0+i, oldest first; before p0 from ring slot
+    s % ring, from p0 on the chunk row s - p0; -1 before position 0."""
+    p0 = p0[:, None, None]
+    s = p0 + jnp.arange(T, dtype=jnp.int32)[:, None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, :]
+    idx = jnp.where(s < p0, s % ring, ring + s - p0)
+    return jnp.where(s >= 0, idx, -1)
+
+
+def ring_writes(p0: jnp.ndarray, n_valid: jnp.ndarray, T: int, ring: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Which of a chunk's T rows go into a ring of `ring` slots (position s in slot s % ring): each
+    row's last min(T, ring) real tokens. Returns (their chunk rows, clipped to 0, and their slots,
+    `ring` (out of range: not written) where a row has fewer real tokens), int32 `[B, min(T, ring)]`."""
+    k = min(T, ring)
+    rows = n_valid[:, None] - k + jnp.arange(k, dtype=jnp.int32)
+    slots = jnp.where(rows >= 0, (p0[:, None] + rows) % ring, ring)
+    return jnp.clip(rows, 0), slots
+
+
+def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
+                   ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None,
+                   n_valid: jnp.ndarray | None = None):
+    """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its state.
+
+    state_a/z fp32 `[B, S, C]` (S >= coff * ratio, coff = 2 with overlap): a ring of each row's
+    projections (`ape` included in z), position s in slot s % S. The blocks a chunk pools read
+    the positions of the previous block (with overlap) and the current one below p0 from it;
+    positions before 0 count as missing (weight 0). Slots of other positions are never read, so a
+    ring larger than coff * ratio lets a step write positions past those it keeps (speculative
+    drafts) without touching what later steps read.
+    n_valid int32 `[B]` (default T): row b's real tokens, the first n_valid[b] of its chunk; the
+    rest are padding, which completes no block.
+    Returns (entries `[B, n, d]`, row b's entry i being entry p0[b] // ratio + i, i < n =
+    (T + ratio - 1) // ratio, zero where i >= n_new[b]; n_new int32 `[B]`, the blocks each row
+    completes; the chunk's projections a, z fp32 `[B, T, C]`, for the caller to write into the
+    ring: `ring_writes`).
+    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`, read at that layer only where
+    the state is used: a decode step (T = 1) reads it only when some row completes a block (a
+    slice taken before the `lax.cond` is copied out of the stack on every step).
+    """
+    B, T, _ = x.shape
+    p0 = row_positions(p0, B)
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
+    coff = 2 if ratio == CSA else 1
+    n = (T + ratio - 1) // ratio
+    xf = x.astype(jnp.float32)
+    pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
+    a = dense(xf, cp["wkv"].astype(jnp.float32))
+    z = dense(xf, cp["wgate"].astype(jnp.float32)) + cp["ape"].astype(jnp.float32)[pos % ratio]
+    first = p0 // ratio
+    n_new = (p0 + n_valid) // ratio - first
+    base = (first - coff + 1) * ratio  # [B] the span's first position: the previous block, or the current one
+
+    def span():
+        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the ring
+        (0 and -inf before position 0), then the chunk from row p0 - base."""
+        sa, sz = state_a, state_z
+        if layer is not None:
+            sa, sz = (jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (sa, sz))
+        held = base[:, None] + jnp.arange(coff * ratio, dtype=jnp.int32)  # [B, coff * ratio] positions
+        slots = (held % sa.shape[1])[..., None]
+        missing = (held < 0)[..., None]
+        old_a = jnp.where(missing, 0.0, jnp.take_along_axis(sa, slots, axis=1))
+        old_z = jnp.where(missing, -jnp.inf, jnp.take_along_axis(sz, slots, axis=1))
+
+        def place(old, new, off, fill):
+            row = jnp.concatenate([old, jnp.full((n * ratio, old.shape[-1]), fill, jnp.float32)])
+            return jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0)
+
+        offset = p0 - base
+        return (jax.vmap(place, in_axes=(0, 0, 0, None))(old_a, a, offset, 0.0),
+                jax.vmap(place, in_axes=(0, 0, 0, None))(old_z, z, offset, -jnp.inf))
+
+    blocks = slice((coff - 1) * ratio, (coff - 1 + n) * ratio)
+    prev = slice(0, ratio) if coff == 2 else None
+    cos, sin = cos_sin((first[:, None] + jnp.arange(n)) * ratio, freqs)  # [B, n, rope/2]
+
+    def pool():
+        span_a, span_z = span()
+
+        def kernel(a, z, norm, cos, sin, *previous):  # previous: (prev_a, prev_z) with overlap
+            return pallas_kernels.compress(a, z, norm, cos, sin, ratio=ratio, eps=cfg.rms_norm_eps,
+                                           prev_a=previous[0] if previous else None,
+                                           prev_z=previous[1] if previous else None,
+                                           out_dtype=x.dtype, impl=cfg.attention_impl)
+
+        rows = (BATCH, None, None)
+        previous = () if prev is None else (span_a[:, prev], span_z[:, prev])
+        run = per_device(cfg, kernel, (rows, rows, None, rows, rows) + (rows,) * len(previous), rows)
+        entries = run(span_a[:, blocks], span_z[:, blocks], cp["norm"], cos, sin, *previous)
+        return jnp.where((jnp.arange(n) < n_new[:, None])[..., None], entries, 0)  # incomplete blocks are NaN
+
+    if T == 1:  # decode completes a row's block on one step in `ratio`: pool only when some row does
+        d = cp["norm"].shape[-1]
+        entries = jax.lax.cond(jnp.any(n_new > 0), pool, lambda: jnp.zeros((B, n, d), x.dtype))
+    else:
+        entries = pool()
+    return entries, n_new, a, z
+
+
+def _over_pool(pool: jnp.ndarray, new: jnp.ndarray, first_new: jnp.ndarray, axis: int) -> jnp.ndarray:
+    """pool with `new` appended along `axis` and then written over it from index first_new[b] in
+    row b (axis counts from the batch axis 0)."""
+    pad = [(0, 0)] * pool.ndim
+    pad[axis] = (0, new.shape[axis])
+    put = lambda p, x, at: jax.lax.dynamic_update_slice_in_dim(p, x, at, axis=axis - 1)  # noqa: E731
+    return jax.vmap(put)(jnp.pad(pool, pad), new, first_new)
+
+
+def in_entry_order(pool: jnp.ndarray, entries: jnp.ndarray, first_new: jnp.ndarray) -> jnp.ndarray:
+    """The rows to attend to, row j holding entry j: the pool `[B, P, d]` (entries before
+    `first_new` `[B]`), the chunk's entries `[B, n, d]` (first_new ..) written over it from row
+    first_new. `[B, P + n, d]`; rows after the chunk's entries are never chosen."""
+    return _over_pool(pool, entries, first_new, axis=1)
+
+
+def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
+    """`[B, T]` number of entries visible to each query of the chunk (p0 `[B]`)."""
+    return (p0[:, None] + jnp.arange(T, dtype=jnp.int32) + 1) // ratio
+
+
+def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
+                   keys_pool: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
+                   freqs: jnp.ndarray, cfg: ModelConfig, n_valid: jnp.ndarray | None = None):
+    """The indexer's top-min(index_topk, pool rows) absolute entry ids for each query of the chunk.
+
+    x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[B, T, rope/2]` at the query positions, keys_pool
+    `[B, P, dI]` the cached keys, p0 and n_valid `[B]` as compress_chunk. Returns (ids int32
+    `[B, T, K]`, -1 where fewer are visible; the chunk's new keys, their count and the new
+    compressor state, as compress_chunk)."""
+    B, T, _ = x.shape
+    p0 = row_positions(p0, B)
+    new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg,
+                                                   n_valid=n_valid)
+    q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
+    P = keys_pool.shape[1]
+    # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
+    scores = _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
+    ids = select_topk(scores, visible_entries(p0, T, CSA), min(cfg.index_topk, P))
+    return ids, new_keys, n_new, new_a, new_z
+
+
+def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
+    """Mean over queries (with a non-empty own selection) of the fraction of `own` entry ids
+    `[B, T, K]` that `reused` `[B, T, K]` contains (-1: none)."""
+    hit = jnp.any((own[..., :, None] == reused[..., None, :]) & (reused[..., None, :] >= 0), axis=-1)
+    n_own = jnp.sum(own >= 0, axis=-1)
+    frac = jnp.sum(hit & (own >= 0), axis=-1) / jnp.maximum(n_own, 1)
+    has = n_own > 0
+    return jnp.sum(jnp.where(has, frac, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
+           comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Attention of the chunk's queries q `[B, T, H, Dh]` (row b at positions p0[b] ..) over their
+    window of cfg.sliding_window positions (ring `[B, R, Dh]`, R >= the window, slot s % R
+    holding position s < p0; the chunk's own rows kv `[B, T, Dh]`) and, for compressed layers,
+    the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
+    per-head sink.
+
+    Decode (T = 1) and the Pallas kernels take the index form: one row of indices per query into
+    [ring | chunk | compressed rows] (`pallas_kernels.sparse_attention`). A chunk on the plain
+    XLA path (impl "ref", or "auto" off TPU / GPU) computes the same sum with the window part as
+    dense products over blocks of consecutive queries (`_window_blocked`): gathering W rows of
+    Dh per query costs several times more than the matmuls on CPU.
+    """
+    T, R = q.shape[1], ring.shape[1]
+    p0 = row_positions(p0, q.shape[0])
+
+    def indexed():
+        idx = window_indices(p0, T, cfg.sliding_window, R)
+        rows = [ring, kv]
+        if comp_rows is not None:
+            idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + R + T, -1)], axis=-1)
+            rows.append(comp_rows)
+        run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
+                                      impl=cfg.attention_impl),
+                         ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,)),
+                         (BATCH, None, HEADS, None))
+        return run(q, jnp.concatenate(rows, axis=1), idx, sink)
+
+    def blocked():
+        return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
+
+    if T == 1:
+        return indexed()
+    # the kernels' choice of implementation, with the blocked form in the reference's place
+    return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
+
+
+def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale, W):
+    """`attend` for T > 1 in plain XLA, fp32, window W. Row b's window keys, in position order, are
+    seq = [ring by position (p0[b] - W ..) | chunk], row m at position p0[b] - W + m; the query at
+    chunk row i is seq row W + i and sees seq rows i + 1 .. i + W. Queries go in blocks of
+    Bq = min(T, W): block n sees the Bq + W rows from seq row n * Bq, one matmul per block."""
+    B, T, H, D = q.shape
+    p0 = row_positions(p0, B)
+    bq = min(T, W)
+    nb = -(-T // bq)
+    tp = nb * bq
+    f32 = jnp.float32
+    slots = (p0[:, None] - W + jnp.arange(W, dtype=jnp.int32)) % ring.shape[1]
+    ring_by_pos = jnp.take_along_axis(ring, slots[..., None], axis=1)
+    seq = jnp.concatenate([ring_by_pos, kv, jnp.zeros((B, tp - T, D), kv.dtype)], axis=1).astype(f32)
+    k1 = bq + W
+    start = jnp.arange(nb, dtype=jnp.int32) * bq
+    key_rows = start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]  # [nb, k1] into seq
+    blocks = jnp.take(seq, key_rows, axis=1)  # [B, nb, k1, D]
+    r, m = jnp.arange(bq)[:, None], jnp.arange(k1)[None, :]
+    started = (p0[:, None, None] - W + key_rows[None] >= 0)[:, :, None, :]  # [B, nb, 1, k1]
+    visible = ((m >= r + 1) & (m <= r + W))[None, None] & started  # [B, nb, bq, k1]
+    qf = jnp.pad(q.astype(f32), ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, D)
+    lw = jnp.einsum("bnqhd,bnkd->bnqhk", qf, blocks) * scale
+    lw = jnp.where(visible[:, :, :, None, :], lw, -jnp.inf).reshape(B, tp, H, k1)[:, :T]
+    sink = sink.astype(f32)
+    m_all = jnp.maximum(jnp.max(lw, axis=-1), sink)  # [B, T, H]
+    if comp_rows is not None:
+        m_all, denom_c, out_c = _compressed(q.astype(f32), comp_rows.astype(f32), comp_idx, m_all, scale)
+    pw = jnp.exp(lw - m_all[..., None])
+    denom = jnp.sum(pw, axis=-1) + jnp.exp(sink - m_all)
+    pw = jnp.pad(pw, ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, k1)
+    out = jnp.einsum("bnqhk,bnkd->bnqhd", pw, blocks).reshape(B, tp, H, D)[:, :T]
+    if comp_rows is not None:
+        denom, out = denom + denom_c, out + out_c
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+# Rows per tile of the compressed rows in `_compressed_tiles`.
+COMPRESSED_TILE = 128
+
+
+def _compressed(q, rows, comp_idx, m_all, scale):
+    """The compressed rows' part of `_window_blocked`, fp32: q `[B, T, H, D]`, rows `[B, Nc, D]`,
+    comp_idx `[B, T, Kc]` (-1: none), m_all `[B, T, H]` the window's and sink's max. Returns
+    (m_all raised to the chosen rows' logits, their sum of exp(logit - m_all) `[B, T, H]`, and
+    of exp(logit - m_all) * row `[B, T, H, D]`).
+
+    Two forms: the masked products over the rows up to the highest chosen one (`_compressed_tiles`),
+    or each query's Kc rows gathered (`_compressed_gathered`), which copies Kc rows of D per query
+    and multiplies them query by query: several times slower per row on CPU, so only taken when
+    the rows in use exceed 16 x Kc (ratio 4 with a long context; ratio 128 chooses every row)."""
+    Nc, Kc = rows.shape[1], comp_idx.shape[-1]
+    if Nc <= 16 * Kc:
+        return _compressed_tiles(q, rows, comp_idx, m_all, scale)
+    return jax.lax.cond(jnp.max(comp_idx) < 16 * Kc, _compressed_tiles, _compressed_gathered,
+                        q, rows, comp_idx, m_all, scale)
+
+
+def _compressed_tiles(q, rows, comp_idx, m_all, scale):
+    """`_compressed` as masked dense products: each query's rows are distinct, so attending to them
+    is attending to every row with the others masked; two plain matmuls per tile of
+    COMPRESSED_TILE rows, over the tiles up to the highest chosen row only (a chunk early in a long
+    cache sees a small prefix of its pool). One pass for the logits and their max, one for the
+    exps and the weighted rows."""
+    B, T, H, D = q.shape
+    Nc = rows.shape[1]
+    tile = min(Nc, COMPRESSED_TILE)
+    n_tiles = -(-Nc // tile)
+    rows = jnp.pad(rows, ((0, 0), (0, n_tiles * tile - Nc), (0, 0)))
+    chosen = jnp.zeros((B, T, n_tiles * tile + 1), bool).at[
+        jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], jnp.where(comp_idx >= 0, comp_idx, n_tiles * tile)
+    ].set(True)[..., :-1]
+
+    def cols(j):  # tile j's rows `[B, tile, D]`
+        return jax.lax.dynamic_slice_in_dim(rows, j * tile, tile, axis=1)
+
+    def logits(j):  # `[B, T, H, tile]`, -inf where not chosen
+        lc = jnp.einsum("bthd,bnd->bthn", q, cols(j)) * scale
+        return jnp.where(jax.lax.dynamic_slice_in_dim(chosen, j * tile, tile, axis=2)[:, :, None, :], lc, -jnp.inf)
+
+    def weigh(j, lc, m_all):
+        pc = jnp.exp(lc - m_all[..., None])
+        return jnp.sum(pc, axis=-1), jnp.einsum("bthn,bnd->bthd", pc, cols(j))
+
+    if n_tiles == 1:
+        lc = logits(0)
+        m_all = jnp.maximum(m_all, jnp.max(lc, axis=-1))
+        return (m_all, *weigh(0, lc, m_all))
+
+    def first(j, carry):
+        lcs, m = carry
+        lc = logits(j)
+        return lcs.at[j].set(lc), jnp.maximum(m, jnp.max(lc, axis=-1))
+
+    def second(j, carry):
+        denom, out = carry
+        d, o = weigh(j, lcs[j], m_all)
+        return denom + d, out + o
+
+    used = (jnp.max(comp_idx) + tile) // tile  # tiles up to the highest chosen row; 0 if none
+    lcs, m_all = jax.lax.fori_loop(0, used, first, (jnp.full((n_tiles, B, T, H, tile), -jnp.inf, q.dtype), m_all))
+    denom, out = jax.lax.fori_loop(0, used, second, (jnp.zeros((B, T, H), q.dtype), jnp.zeros((B, T, H, D), q.dtype)))
+    return m_all, denom, out
+
+
+def _compressed_gathered(q, rows, comp_idx, m_all, scale):
+    """`_compressed` on each query's own Kc rows, gathered."""
+    valid = comp_idx >= 0
+    rows = jnp.take_along_axis(rows[:, None], jnp.where(valid, comp_idx, 0)[..., None], axis=2)  # [B, T, Kc, D]
+    lc = jnp.einsum("btkd,bthd->btkh", rows, q) * scale
+    lc = jnp.where(valid[..., None], lc, -jnp.inf)
+    m_all = jnp.maximum(m_all, jnp.max(lc, axis=2))
+    pc = jnp.exp(lc - m_all[:, :, None, :])
+    return m_all, jnp.sum(pc, axis=2), jnp.einsum("btkh,btkd->bthd", pc, rows)

@@ -1,0 +1,450 @@
+"""The whole model: embedding, the layer stack, the hyper-connection head and the LM head.
+
+The stack is one `lax.scan` over layers. The body dispatches with `lax.switch` on the layer's
+kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
+each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
+...) and a layer reaches them through its kind-local index, carried in the scan's xs, as it
+reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU
+`generate` keeps the large ones as one buffer per layer: dsv4_jax/model/layer_weights.py). The last
+computed indexer top-k travels in the scan carry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pallas_kernels.numerics import rms_norm
+from . import attention, sharding
+from .cache import indexer_state_layers, init_cache
+from .config import ModelConfig
+from .layer_kinds import BY_RATIO, CSA, HCA, KINDS, WINDOW
+from .hyper_connection import hc_head, hc_post, hc_pre
+from .index_cache import index_cache_schedule
+from .layer_weights import take_layer
+from .linear import dense
+from .moe import learned_choice, route, routed_experts, routed_experts_on_mesh, router_scores, shared_expert
+from .rope import cos_sin, layer_inv_freqs
+
+
+# The switch's branches, in this order when present: one per layer kind, and a ratio-4 layer that
+# reuses another's top-k (IndexCache).
+BRANCHES = ("window", "csa", "csa_reuse", "hca")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """Static per-layer dispatch data derived from the config (numpy, length L each)."""
+
+    branches: tuple[str, ...]  # the branches present, in switch order
+    branch: np.ndarray  # index into `branches`
+    kind_local: np.ndarray  # index into the layer's kind stacks
+    index_local: np.ndarray  # index into the indexer-state stacks (out of range: the layer has none)
+    compressed_rope: np.ndarray  # 1: compress theta + YaRN (ratio 4/128), 0: plain theta (window only)
+    is_hash: np.ndarray  # routed through tid2eid
+    route_local: np.ndarray  # index into tid2eid (hash layers) or gate_bias (learned layers)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "LayerSchedule":
+        ratios = np.array(cfg.compress_ratios)
+        reusing = set(index_cache_schedule(cfg).reusing)
+        names = [BY_RATIO[r].name + ("_reuse" if i in reusing else "") for i, r in enumerate(ratios)]
+        branches = tuple(b for b in BRANCHES if b in names)
+        local = np.zeros_like(ratios)
+        for kind in KINDS:
+            local[ratios == kind.ratio] = np.arange(int(np.sum(ratios == kind.ratio)))
+        with_index = indexer_state_layers(cfg)
+        index_local = np.array([with_index.index(i) if i in with_index else len(with_index)
+                                for i in range(cfg.num_layers)], np.int32)
+        is_hash = np.array(cfg.hash_layers, dtype=bool)
+        route_local = np.where(is_hash, np.cumsum(is_hash) - 1, np.cumsum(~is_hash) - 1)
+        return cls(branches, np.array([branches.index(n) for n in names], np.int32), local.astype(np.int32),
+                   index_local, (ratios != WINDOW).astype(np.int32), is_hash, route_local.astype(np.int32))
+
+
+def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, route_local,
+         cfg: ModelConfig) -> jnp.ndarray:
+    """MoE of a layer (its weights: `layer`, from `take_layer`) on x `[B, S, D]` (already ffn-normed);
+    ids `[B, S]` for hash routing."""
+    B, S, D = x.shape
+    f = layer["ffn"]
+    xt = x.reshape(B * S, D)
+    scores = router_scores(xt, f["gate"])
+    k = cfg.num_experts_per_tok
+    if "tid2eid" in params and "gate_bias" in params:
+        experts = jax.lax.cond(
+            is_hash,
+            lambda: take_layer(params["tid2eid"], route_local)[ids.reshape(-1)],
+            lambda: learned_choice(scores, take_layer(params["gate_bias"], route_local), k))
+    elif "tid2eid" in params:
+        experts = take_layer(params["tid2eid"], route_local)[ids.reshape(-1)]
+    else:
+        experts = learned_choice(scores, take_layer(params["gate_bias"], route_local), k)
+    weights = route(scores, experts, cfg.routed_scaling_factor)
+    routed_weights = f["w1"], f["w2"], f["w3"]  # read in place in the stacks (see `take_layer`)
+    if sharding.active(cfg) is not None:  # expert parallel: tokens exchanged between devices
+        routed = routed_experts_on_mesh(xt, experts, weights, *routed_weights, cfg.swiglu_limit, cfg)
+    else:
+        routed = routed_experts(xt, experts, weights, *routed_weights, cfg.swiglu_limit,
+                                fp8_activations=cfg.fp8_activations)
+    shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
+    return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
+
+
+class _Chunk(NamedTuple):
+    """What every layer of one `step` shares about where the chunk sits in each row."""
+
+    p0: jnp.ndarray  # int32 [B]: each row's first position
+    n_valid: jnp.ndarray  # int32 [B]: each row's real tokens (the rest of its T are padding)
+    rope: jnp.ndarray  # fp32 [2 (window-only, compressed), 2 (cos, sin), B, T, rope/2]
+    compress_freqs: jnp.ndarray  # [rope/2]
+
+
+class _LayerInput(NamedTuple):
+    """One layer's inputs to its attention branch."""
+
+    q: jnp.ndarray  # [B, T, H, Dh]
+    kv: jnp.ndarray  # [B, T, Dh]
+    x: jnp.ndarray  # [B, T, D] the normed attention input
+    c_q: jnp.ndarray  # [B, T, Q] the query latent
+    cos: jnp.ndarray  # [B, T, rope/2] at the layer's rope
+    sin: jnp.ndarray
+    local: jnp.ndarray  # index into the layer's kind stacks
+    index_local: jnp.ndarray  # index into the indexer-state stacks
+    sink: jnp.ndarray  # [H]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """The fixed context of one `step` call, bound into the switch branches."""
+
+    params: dict
+    cfg: ModelConfig
+    chunk: _Chunk
+    cache_shapes: dict  # group -> {name: ShapeDtypeStruct}, the stacks this step updates
+    measure_reuse: bool
+
+    def payloads(self, own: dict) -> tuple:
+        """Every cache group's payload, in `cache_shapes` order: the branch's own, zeros (nothing
+        to store) for the groups it does not write."""
+        return tuple(own.get(g) or self.nothing(g) for g in self.cache_shapes)
+
+    def nothing(self, group: str) -> dict:
+        """The payload of a group a branch does not write: zeros, no entry to store."""
+        B, T = self.chunk.rope.shape[2:4]
+        out = {}
+        for k, v in self.cache_shapes[group].items():
+            if k.startswith("state_"):
+                out[k] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
+            elif k == "ring":
+                out["kv"] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
+            elif k == "pool":
+                ratio = _RATIO_OF[group]
+                out["entries"] = jnp.zeros((B, (T + ratio - 1) // ratio, v.shape[-1]), v.dtype)
+                out["n_new"] = jnp.zeros((B,), jnp.int32)
+        return out
+
+
+def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
+    """A window-only layer: its ring and the chunk."""
+    ring = take_layer(caches["window"]["ring"], lay.local)
+    o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
+    return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), jnp.float32(jnp.nan)
+
+
+def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: bool):
+    """A ratio-4 layer: window plus the indexer's top-k compressed entries; with `reuse`
+    (IndexCache) the last computing layer's entry ids, with this layer's own rows."""
+    cfg, ch = ctx.cfg, ctx.chunk
+    T = lay.q.shape[1]
+    own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
+    entries, n_new, sa, sz = attention.compress_chunk(
+        own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
+    out = {"csa": {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}}
+    overlap = jnp.float32(jnp.nan)
+
+    def own_selection():
+        ci = take_layer(caches["indexer"], lay.index_local)
+        return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin, ci["pool"], ci["state_a"],
+                                        ci["state_z"], ch.p0, ch.compress_freqs, cfg, n_valid=ch.n_valid)
+
+    if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
+        ids = last_ids
+        if ctx.measure_reuse:
+            overlap = attention.selection_overlap(own_selection()[0], ids)
+        if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
+            ci = take_layer(caches["indexer"], lay.index_local)
+            keys, n_keys, isa, isz = attention.compress_chunk(
+                own["indexer"]["compressor"], lay.x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
+                n_valid=ch.n_valid)
+            out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+    else:
+        ids, keys, n_keys, isa, isz = own_selection()
+        out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+    first = ch.p0 // CSA
+    if T == 1:  # decode: read only the selected rows of the pool
+        old = (ids < first[:, None, None])[..., None]
+        rows = jnp.where(old, jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
+                         jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
+                                             axis=2))
+        comp_rows = rows[:, 0]
+        comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
+    else:
+        comp_rows, comp_idx = attention.in_entry_order(c["pool"], entries, first), ids
+    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    return o, ids, ctx.payloads(out), overlap
+
+
+def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
+    """A ratio-128 layer: window plus every visible compressed entry."""
+    cfg, ch = ctx.cfg, ctx.chunk
+    B, T = lay.q.shape[:2]
+    own, c = take_layer(ctx.params["hca"], lay.local), take_layer(caches["hca"], lay.local)
+    entries, n_new, sa, sz = attention.compress_chunk(
+        own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
+        cfg, layer=lay.local, n_valid=ch.n_valid)
+    P = c["pool"].shape[1]
+    ids = jnp.arange(P, dtype=jnp.int32)
+    comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
+    comp_rows = attention.in_entry_order(c["pool"], entries, ch.p0 // HCA)
+    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    payload = {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
+    return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
+
+
+_BRANCH_FNS = {"window": _window_branch, "csa": partial(_csa_branch, reuse=False),
+               "csa_reuse": partial(_csa_branch, reuse=True), "hca": _hca_branch}
+_RATIO_OF = {**{k.name: k.ratio or None for k in KINDS}, "indexer": CSA}  # a group's entries
+
+
+def _writers(cfg: ModelConfig) -> dict:
+    """The branches that write each cache group (the others store nothing there)."""
+    return {"window": ("window",), "csa": ("csa", "csa_reuse"), "hca": ("hca",),
+            "indexer": ("csa",) if cfg.index_cache_skip_compressor else ("csa", "csa_reuse")}
+
+
+def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> dict:
+    """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
+    dropped), each row at its own positions: the chunk's K=V rows and compressor projections into
+    their rings (`attention.ring_writes`), the entries the row completed at their ids."""
+    out = dict(stacks)
+    B = chunk.p0.shape[0]
+    T = chunk.rope.shape[3]
+    b = jnp.arange(B)[:, None]
+    for k, rows in (("ring", "kv"), ("state_a", "state_a"), ("state_z", "state_z")):
+        if k in stacks:
+            which, slots = attention.ring_writes(chunk.p0, chunk.n_valid, T, stacks[k].shape[2])
+            values = jnp.take_along_axis(payload[rows], which[..., None], axis=1)
+            out[k] = stacks[k].at[target, b, slots].set(values.astype(stacks[k].dtype), mode="drop")
+    ratio = _RATIO_OF[group]
+    if ratio is not None:
+        pool = stacks["pool"]
+        i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
+        at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, pool.shape[2])
+        out["pool"] = pool.at[target, b, at].set(payload["entries"], mode="drop")
+    return out
+
+
+def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
+    """One layer of the scan: attention (its kind's branch, then the cache writes), then the MoE."""
+    params, cfg = ctx.params, ctx.cfg
+    h, caches, last_ids = carry
+    i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
+    layer = take_layer(params["layers"], i)
+    cos, sin = ctx.chunk.rope[compressed_rope]
+    hc_args = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, cfg=cfg)
+
+    u, post, comb = hc_pre(h, **layer["hc_attn"], **hc_args)
+    x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
+    a = layer["attn"]
+    q, c_q = attention.query(a, x, cos, sin, cfg)
+    kv = attention.key_value(a, x, cos, sin, cfg)
+    lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
+    # Branches only read the caches and return the rows to store; the writes come after the
+    # switch, unconditionally, into every group's stacks: at the layer's own index when its
+    # branch writes that group, else at an out-of-range index (dropped).
+    branches = [partial(_BRANCH_FNS[b], ctx) for b in sched.branches]
+    o, last_ids, outs, overlap = jax.lax.switch(branch, branches, lay, caches, last_ids)
+    writers = _writers(cfg)
+    new = {}
+    for group, payload in zip(ctx.cache_shapes, outs):
+        writes = jnp.isin(branch, jnp.asarray([j for j, b in enumerate(sched.branches) if b in writers[group]]))
+        n_layers = next(iter(caches[group].values())).shape[0]
+        target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
+        new[group] = _store(group, caches[group], payload, target, ctx.chunk)
+    h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb, cfg)
+
+    u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
+    x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
+    h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb, cfg)
+    return (h, new, last_ids), overlap
+
+
+def _rows_valid(n_valid, B: int, T: int) -> jnp.ndarray:
+    """n_valid as int32 `[B]` (None: every row's T tokens are real)."""
+    return jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+
+
+def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig) -> _Chunk:
+    p0 = cache["pos"]
+    n_valid = _rows_valid(n_valid, B, T)
+    window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
+    positions = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
+    rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
+    return _Chunk(p0, n_valid, rope, compress_freqs)
+
+
+def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
+               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False):
+    """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
+    streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
+    `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
+    `[B, T, hc, D]`, the cache with the chunk added, per-layer reuse overlaps `[L]` as `step`'s
+    measure_reuse). The MTP block (dsv4_jax/model/mtp.py) runs its one layer through here too, as the
+    stack of a one-layer model."""
+    B, T = input_ids.shape
+    sched = LayerSchedule.of(cfg)
+    cache = sharding.constrain_cache(cfg, cache)
+    stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
+    chunk = _chunk(cache, B, T, n_valid, cfg)
+    ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
+                measure_reuse)
+    xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
+          jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
+          jnp.asarray(sched.route_local))
+    k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
+    last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
+    (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    return h, {"pos": chunk.p0 + chunk.n_valid, **stacks}, overlaps
+
+
+def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,
+              cfg: ModelConfig) -> jnp.ndarray:
+    """The head on hidden streams h `[B, T, hc, D]`: the hyper-connection head (`hc_head_params`
+    {fn, base, scale}), RMSNorm with `norm`, then the fp32 projection on `head` `[V, D]` -> fp32
+    `[B, T, V]`. The MTP block applies it with its own hc head and norm and the shared head."""
+    y = hc_head(h, hc_head_params["fn"], hc_head_params["base"], hc_head_params["scale"],
+                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, cfg=cfg)
+    y = rms_norm(y, norm, cfg.rms_norm_eps)
+    return dense(y.astype(jnp.float32), head.astype(jnp.float32))
+
+
+def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
+         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False):
+    """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
+
+    input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
+    n_valid[b] of its chunk; the rest are padding, neither stored nor advancing the row (0: the
+    row holds its state). Rows advance independently: each has its own window-ring slots,
+    compression-block phase, pool length, RoPE positions and causal limits. Returns (fp32 logits
+    `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only; the cache with the
+    chunk added). Prefill (any T, chunks of any size) and decode (T = 1) are the same
+    computation; the caller keeps pos + n_valid <= max_len. With measure_reuse, IndexCache's
+    reusing layers also compute their own top-k (not used) and a further output `[L]` gives, per
+    layer, the mean fraction of its own selection that the reused one contains (NaN for layers
+    that do not reuse). With return_hidden (static, like last_only) a last output gives the final
+    hidden streams `[B, T, hc, D]` before the hyper-connection head at every position of the
+    chunk (also with last_only): what the MTP block (dsv4_jax/model/mtp.py) takes as `hidden`.
+    """
+    B, T = input_ids.shape
+    x = params["embed"][input_ids]
+    h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
+                           (sharding.BATCH, None, None, None))
+    hidden, new_cache, overlaps = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse)
+    h = hidden
+    if last_only:
+        last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
+    logits = lm_logits(h, params["hc_head"], params["norm"], params["head"], cfg)
+    out = (logits, new_cache)
+    if measure_reuse:
+        out += (overlaps,)
+    if return_hidden:
+        out += (hidden,)
+    return out
+
+
+def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Full-sequence forward from position 0 with a fresh cache: int `[B, S]` -> fp32 logits
+    `[B, S, V]`."""
+    B, S = input_ids.shape
+    cache = init_cache(cfg, B, S, params["embed"].dtype)
+    return step(params, cache, input_ids, cfg)[0]
+
+
+RUNTIME_OPTIONS = ("attention_impl", "expert_exchange", "fp8_activations", "use_index_cache", "index_topk_freq", "index_topk_pattern",
+                   "index_cache_skip_compressor")
+
+
+def with_options(cfg: ModelConfig, **options) -> ModelConfig:
+    """cfg with run-time options replaced (None leaves one as it is); an unknown name is an error."""
+    unknown = sorted(set(options) - set(RUNTIME_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown model options {unknown}; allowed: {list(RUNTIME_OPTIONS)}")
+    changes = {k: v for k, v in options.items() if v is not None}
+    return cfg.replace(**changes) if changes else cfg
+
+
+@struct.dataclass
+class Model:
+    """A DeepSeek-V4 model: `logits = model(input_ids)` for int32 `[B, S]` -> fp32 `[B, S, V]`.
+
+    On a device mesh (`load(..., mesh=)`), `mesh` is set, `config.layout` says where every array
+    lives (dsv4_jax/model/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`. With
+    `load(..., mtp=True)`, `mtp` holds the checkpoint's MTP block (speculative decoding)."""
+
+    params: dict
+    config: ModelConfig = struct.field(pytree_node=False)
+    mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
+    mtp: dict | None = None  # the MTP block's parameters (dsv4_jax/model/mtp.py), for speculative decoding
+
+    def __call__(self, input_ids) -> jnp.ndarray:
+        ids = np.asarray(input_ids, np.int32)
+        B = ids.shape[0]
+        rows = self.batch_rows(B)
+        if rows > B:  # every device of the batch axes gets whole sequences
+            ids = np.concatenate([ids, np.zeros((rows - B,) + ids.shape[1:], np.int32)])
+        with self.on_mesh():
+            return _jit_forward(self.params, self.place_rows(ids), self.config)[:B]
+
+    def on_mesh(self):
+        """The context the model's programs run in: `jax.set_mesh(mesh)`, or nothing."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def batch_rows(self, B: int) -> int:
+        """B rounded up to a multiple of the number of pieces the mesh splits sequences into."""
+        n = 1 if self.mesh is None else self.config.layout.shards(sharding.BATCH, self.mesh)
+        return -(-B // n) * n
+
+    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None, lookahead: int = 0) -> dict:
+        """An empty cache of `rows` sequences of up to max_len tokens on the model's devices (rows
+        split over the mesh's batch axes). cfg: the config with this call's options (default the
+        model's); lookahead: as `cache.init_cache`."""
+        cfg = self.config if cfg is None else cfg
+        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead)
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, sharding.cache_shardings(cache, self.mesh, cfg.layout))
+
+    def place_rows(self, x):
+        """x `[B, ...]` on the devices, split by rows when on a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        spec = self.config.layout.spec((sharding.BATCH,) + (None,) * (np.ndim(x) - 1), self.mesh)
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+@partial(jax.jit, static_argnums=2)
+def _jit_forward(params, input_ids, cfg):
+    return forward(params, input_ids, cfg)

@@ -1,0 +1,519 @@
+"""The serving engine: continuous batching over a fixed set of cache slots.
+
+Requests (token ids, sampling parameters, stop conditions, a seed) wait in a queue, are admitted
+to free slots, prefilled in chunks interleaved with the decode steps of the running slots, stream
+their tokens as they come, and free their slot at a stop token, their token limit, the slot's
+length or a cancel. Each slot is a row of one cache with its own position (dsv4_jax/model/cache.py), so
+rows at any positions decode together in one program, and a row can be reset and prefilled into
+while the others hold their state.
+
+One engine step (`Engine.step`):
+1. admits waiting requests into free slots (first come, first served);
+2. prefills: requests still prefilling get a chunk each of up to `prefill_chunk` tokens, oldest
+   first, while the step's tokens stay within `max_tokens_per_step` (one chunk always goes, so
+   prefill is never starved); their rows run as one sub-batch of the cache (`take_rows` /
+   `put_rows`); a request whose prompt completes samples its first token;
+3. decodes: every slot holding a generating request advances one token (one program over all
+   slots; the others hold).
+A long prompt therefore costs its neighbours one chunk's time per step, not its whole prefill.
+
+Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
+pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
+`warmup()` (which also runs each program once) nothing compiles, whatever the requests. A
+prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
+are those `generate` gives for its prompt alone.
+
+With `speculative_tokens` k (dsv4_jax/runtime/speculative.py: the checkpoint's MTP block drafts, the main
+model verifies), the decode step is one verification round: each generating slot gets 1 to
+k + 1 tokens, as many as it keeps (a request may ask for fewer drafts than k); prefill runs the
+block over the prompt too. The counters `spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens` and `..._num_accepted_tokens_pos_<i>` (`stats()`) say what was kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.model.cache import put_rows, reset_rows, take_rows
+from dsv4_jax.model.deepseek_v4 import Model, step
+from dsv4_jax.model.layer_weights import unstack_layers
+from dsv4_jax.model.mtp import init_mtp_cache
+from . import sampling, speculative
+from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
+from .generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
+
+# The speculation counters, by vLLM's names (a per-position one beside them, by position).
+SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+class QueueFull(Exception):
+    """`max_queue` requests already wait with no free slot to take them."""
+
+
+@dataclasses.dataclass
+class Request:
+    """A request and what became of it. Timestamps are `time.monotonic()` seconds."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    on_token: Callable[["Request", int | None], None] | None = None  # (request, token or None at the end)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    arrival: float = 0.0
+    admitted: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    cancelled: bool = False
+    speculative_tokens: int = 0  # drafts a round (at most the engine's)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """Continuous batching over `slots` cache rows of `max_len` tokens each (see the module doc).
+
+    `submit` queues a request (thread-safe) and returns it; tokens arrive through its `on_token`
+    callback (called from the thread running `step`) and in `request.tokens`. `run_forever` /
+    `start` drive `step` in a loop; tests call `step` directly."""
+
+    def __init__(self, model: Model, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
+                 max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0):
+        cfg = model.config
+        if speculative_tokens and model.mtp is None:
+            raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
+        if not 0 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be between 0 (off) and {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {speculative_tokens}")
+        if slots < 1 or max_len < 2 or prefill_chunk < MIN_PREFILL_CHUNK or max_queue < 1:
+            raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_PREFILL_CHUNK} and max_queue >= 1 are "
+                             f"needed, got {slots}, {max_len}, {prefill_chunk}, {max_queue}")
+        if prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        self.model, self.cfg = model, cfg
+        self.params = self._step_params()
+        self.slots, self.max_len, self.prefill_chunk = model.batch_rows(slots), max_len, prefill_chunk
+        self.max_tokens_per_step = max_tokens_per_step or prefill_chunk + self.slots
+        if self.max_tokens_per_step < prefill_chunk:
+            raise ValueError(f"max_tokens_per_step ({self.max_tokens_per_step}) must hold a prefill chunk "
+                             f"({prefill_chunk})")
+        self.max_queue = max_queue
+        self.k = speculative_tokens
+        self.state = self._new_state()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free = list(range(self.slots))
+        self.next_token = np.zeros((self.slots,), np.int32)  # each generating slot's last token
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.ids = itertools.count()
+        self.counters = collections.Counter()
+        if self.k:  # reported from the start, zero until a round runs
+            for name in (*SPEC_DECODE_COUNTERS, *(f"spec_decode_num_accepted_tokens_pos_{i}" for i in range(self.k))):
+                self.counters[name] = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def _step_params(self):
+        """The weights the engine's programs read: on CPU the large layer weights split into one
+        buffer per layer, once (dsv4_jax/model/layer_weights.py)."""
+        return unstack_layers(self.model.params)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def validate(self, prompt, max_tokens: int) -> None:
+        """Raises ValueError for a request this engine cannot serve (OpenAI's wording)."""
+        V = self.cfg.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {V})")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, your request "
+                             f"has {len(prompt)} input tokens. Please reduce the length of the input.")
+        if max_tokens < 1 or len(prompt) + max_tokens > self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you requested "
+                             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
+                             f"completion). Please reduce the length of the messages or completion.")
+
+    def submit(self, prompt, max_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0, stop_token_ids=(), on_token=None, speculative_tokens: int | None = None) -> Request:
+        """Queues a request; ValueError if it cannot be served, QueueFull if the queue is full.
+        speculative_tokens: drafts a round for this request (default, and at most, the engine's)."""
+        prompt = [int(t) for t in prompt]
+        self.validate(prompt, max_tokens)
+        drafts = self.k if speculative_tokens is None else int(speculative_tokens)
+        if not 0 <= drafts <= self.k:
+            raise ValueError(f"speculative_tokens must be between 0 and the server's {self.k}, got {drafts}")
+        with self.lock:
+            # Only requests that no free slot will take at the next step wait; the others are
+            # admitted then, so they never count against max_queue.
+            queued = len(self.waiting) - len(self.free)
+            if queued >= self.max_queue:
+                raise QueueFull(f"{queued} requests are waiting for a slot already (the queue holds {self.max_queue})")
+            req = Request(next(self.ids), prompt, int(max_tokens), float(temperature), int(top_k), float(top_p),
+                          int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic(),
+                          speculative_tokens=drafts)
+            self.waiting.append(req)
+            self.counters["requests"] += 1
+            self.wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ends the request at the next step (its slot is freed); a no-op once it is done."""
+        with self.lock:
+            req.cancelled = True
+            self.wake.notify()
+
+    def _new_state(self) -> dict:
+        """The device state: the cache; with speculation (k drafts) also the MTP block's cache, the
+        main model's hidden streams at each slot's last prompt position so far (`carry`) and the
+        block's pending rows (dsv4_jax/runtime/speculative.py). The caches hold k positions past max_len
+        (a verification writes k past the last token it keeps) in rings k slots wider. Committed
+        to the devices, as every step's output is: `warmup` then compiles the programs the steps
+        run (an uncommitted input lowers to other programs)."""
+        m, k, S = self.model, self.k, self.slots
+        state = {"cache": m.new_cache(S, self.max_len + k, lookahead=k)}
+        if k:
+            with m.on_mesh():
+                state["mtp_cache"] = init_mtp_cache(self.cfg, S, m.dtype, lookahead=k)
+            hidden = (S, k + 1, self.cfg.hc_mult, self.cfg.hidden_size)
+            state["carry"] = jnp.zeros(hidden[:1] + hidden[2:], m.dtype)
+            state["pending"] = speculative.Pending(jnp.zeros(hidden, m.dtype), jnp.zeros(hidden[:2], jnp.int32),
+                                                   jnp.zeros((S,), jnp.int32))
+        return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One engine step (see the module doc); returns whether there was anything to do."""
+        with self.lock:
+            self._drop_cancelled()
+            while self.waiting and self.free:
+                req = self.waiting.popleft()
+                req.slot, req.admitted = self.free.pop(0), time.monotonic()
+                self.running[req.slot] = req
+        prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.prompt)), key=lambda r: r.id)
+        generating = [r for r in self.running.values() if r.prefilled == len(r.prompt)]
+        budget = self.max_tokens_per_step - len(generating)
+        chosen = []
+        for r in prefilling:
+            n = min(self.prefill_chunk, len(r.prompt) - r.prefilled)
+            if chosen and n > budget:
+                break
+            chosen.append((r, n))
+            budget -= n
+        if chosen:
+            self._prefill(chosen)
+        if generating:
+            self._decode(generating)
+        return bool(chosen or generating)
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled")
+        for req in [r for r in self.running.values() if r.cancelled]:
+            self._finish(req, "cancelled")
+
+    @staticmethod
+    def _sampling(reqs: dict[int, Request], rows: int) -> tuple:
+        """Per-row sampling parameters and draw keys `[rows]` for the requests at those rows
+        (the other rows greedy)."""
+        t, k, p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        seeds, drawn = np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+        for i, r in reqs.items():
+            t[i], k[i], p[i] = r.temperature, r.top_k, r.top_p
+            seeds[i], drawn[i] = r.seed & 0xFFFFFFFF, len(r.tokens)
+        return t, k, p, seeds, drawn
+
+    def _prefill(self, chosen: list[tuple[Request, int]]) -> None:
+        R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
+        T = chunk_bucket(max(n for _, n in chosen), self.prefill_chunk)
+        reqs = [r for r, _ in chosen]
+        used = {r.slot for r in reqs}
+        fillers = [s for s in range(self.slots) if s not in used][: R - len(reqs)]  # held rows (n_valid 0)
+        rows = np.array([r.slot for r in reqs] + fillers, np.int32)
+        ids, n_valid, fresh, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+                                     np.zeros(R, bool))
+        for i, (r, n) in enumerate(chosen):
+            ids[i, :n] = r.prompt[r.prefilled: r.prefilled + n]
+            n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.prompt)
+        with self.model.on_mesh():
+            tokens, self.state = _prefill_rows(self.params, self.model.mtp, self.state, rows, ids, n_valid, fresh,
+                                               ends, *self._sampling(dict(enumerate(reqs)), R), self.cfg)
+        tokens = np.asarray(tokens)
+        self.counters["prompt_tokens"] += int(n_valid.sum())
+        for i, (r, n) in enumerate(chosen):
+            r.prefilled += n
+            if r.prefilled == len(r.prompt):
+                self._emit(r, int(tokens[i]))
+
+    def _decode(self, generating: list[Request]) -> None:
+        """One token for every generating slot, or with speculation one verification round: 1 to
+        k + 1 tokens each."""
+        active = np.zeros(self.slots, bool)
+        active[[r.slot for r in generating]] = True
+        limit = np.zeros(self.slots, np.int32)
+        limit[[r.slot for r in generating]] = [r.speculative_tokens for r in generating]
+        tokens, kept = self._run_decode(self.next_token.copy(), active, limit,
+                                        self._sampling({r.slot: r for r in generating}, self.slots))
+        if kept is None:
+            tokens = np.asarray(tokens)
+            for r in generating:
+                self._emit(r, int(tokens[r.slot]))
+            return
+        tokens, kept = np.asarray(tokens), np.asarray(kept)
+        c = self.counters
+        for r in generating:
+            j = int(kept[r.slot])
+            c["spec_decode_num_drafts"] += 1
+            c["spec_decode_num_draft_tokens"] += r.speculative_tokens
+            c["spec_decode_num_accepted_tokens"] += j
+            for i in range(j):
+                c[f"spec_decode_num_accepted_tokens_pos_{i}"] += 1
+            for t in tokens[r.slot, : j + 1]:
+                self._emit(r, int(t))
+                if r.done:
+                    break
+
+    def _run_decode(self, last, active, limit, sampling_rows) -> tuple:
+        """The engine's decode program over all slots, from each slot's last token `last` `[S]`
+        (the slots not `active` hold): one token each, or with speculation one verification round
+        keeping at most limit[s] drafts. Returns (tokens `[S]`, None) or (tokens `[S, k + 1]`,
+        kept `[S]`); the state is the program's."""
+        with self.model.on_mesh():
+            if not self.k:
+                tokens, self.state = _decode_slots(self.params, self.state, last, active, *sampling_rows, self.cfg)
+                return tokens, None
+            tokens, kept, self.state = _speculate_slots(self.params, self.model.mtp, self.state, last, active, limit,
+                                                        *sampling_rows, self.k, self.cfg)
+            return tokens, kept
+
+    def _emit(self, req: Request, token: int) -> None:
+        """Hands a generated token to its request and ends the request where it stops."""
+        req.tokens.append(token)
+        req.token_times.append(time.monotonic())
+        self.next_token[req.slot] = token
+        self.counters["generation_tokens"] += 1
+        if token in req.stop_token_ids:
+            req.finish_reason = "stop"
+        elif len(req.tokens) >= req.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_len:
+            req.finish_reason = "length"
+        if req.on_token is not None:  # finish_reason already set: the callback sees a last token as one
+            req.on_token(req, token)
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self.free.append(req.slot)
+            self.free.sort()
+        self.counters[f"finished_{reason}"] += 1
+        if req.on_token is not None:
+            req.on_token(req, None)
+
+    # ---- driving it ---------------------------------------------------------------------------
+
+    def run_until_idle(self) -> None:
+        """Steps until no request is waiting or running."""
+        while self.step() or self.waiting:
+            pass
+
+    def start(self) -> None:
+        """Runs `step` in a background thread until `stop`."""
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """Whether the background thread `start` began is running (False before `start`, after
+        `stop`, or when a step raised)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            self.wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and not self.waiting and not self.running:
+                    self.wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
+        """Compiles every program the engine can run (the decode step, and the prefill for every
+        rows x chunk bucket) and runs each on random token ids in rows that hold (no token counts,
+        so nothing in the cache changes; the decode step `decode_runs` times, each with other
+        ids); returns how many programs it compiled. `progress(i, n, name)` is called as the
+        i-th of the n programs is ready. Running them matters on CPU: there the experts are
+        branches of a switch (dsv4_jax/model/layer_weights.py), and a program's first run through a
+        branch is slow, a cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
+        # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
+        powers = range((self.slots - 1).bit_length() + 1)
+        rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
+        chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
+        S, V = self.slots, self.cfg.vocab_size
+        total = 1 + len(rows) * len(chunks)
+        report = progress or (lambda *_: None)
+        rng = np.random.default_rng(0)
+        for _ in range(decode_runs):
+            self._run_decode(rng.integers(0, V, S, dtype=np.int32), np.zeros(S, bool), np.zeros(S, np.int32),
+                             self._sampling({}, S))
+        jax.block_until_ready(self.state)
+        report(1, total, f"decode step ({S} slots)")
+        with self.model.on_mesh():
+            for i, (R, T) in enumerate(itertools.product(rows, chunks), 2):
+                args = (np.arange(R, dtype=np.int32), rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32),
+                        np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
+                _, self.state = _prefill_rows(self.params, self.model.mtp, self.state, *args, self.cfg)
+                jax.block_until_ready(self.state)
+                report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
+        return total
+
+    def stats(self) -> dict:
+        """Requests running / waiting, slots in use, the cache's use (tokens held over capacity)
+        and the token and request counters."""
+        with self.lock:
+            running = list(self.running.values())  # one copy: the engine thread frees slots without the lock
+            held = sum(r.prefilled + len(r.tokens) for r in running)
+            return {"running": len(running), "waiting": len(self.waiting), "slots": self.slots,
+                    "slots_used": len(running), "cache_usage": held / (self.slots * self.max_len),
+                    **self.counters}
+
+
+@partial(jax.jit, static_argnums=(13,), donate_argnums=(2,))
+def _prefill_rows(params, mtp, state, rows, ids, n_valid, fresh, ends, temperature, top_k, top_p, seeds, drawn, cfg):
+    """A chunk ids `[R, T]` into the cache rows `rows` `[R]` (n_valid tokens each; `fresh` rows
+    reset first), as one sub-batch; returns (each row's token sampled after its chunk `[R]`, the
+    state). With the MTP block (speculation) its rows for the chunk run too, and a row whose
+    prompt `ends` here gets its first pending row: its last prompt position's hidden streams and
+    the token sampled after it."""
+    sub = reset_rows(take_rows(state["cache"], rows), fresh)
+    p0 = sub["pos"]
+    logits, sub, hidden = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=True)
+    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
+    state = {**state, "cache": put_rows(state["cache"], rows, sub)}
+    if mtp is not None:
+        block = reset_rows(take_rows(state["mtp_cache"], rows), fresh)
+        block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, hidden, ids, p0,
+                                                 n_valid, state["carry"][rows], cfg)
+        pend = state["pending"]
+        start = ends[:, None, None, None] & (jnp.arange(pend.hidden.shape[1]) == 0)[None, :, None, None]
+        pend = speculative.Pending(
+            pend.hidden.at[rows].set(jnp.where(start, carry[:, None], pend.hidden[rows])),
+            pend.ids.at[rows, 0].set(jnp.where(ends, tokens, pend.ids[rows, 0])),
+            pend.n.at[rows].set(jnp.where(ends, 1, pend.n[rows])))
+        state = {**state, "mtp_cache": put_rows(state["mtp_cache"], rows, block),
+                 "carry": state["carry"].at[rows].set(carry), "pending": pend}
+    return tokens, state
+
+
+@partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
+def _decode_slots(params, state, tokens, active, temperature, top_k, top_p, seeds, drawn, cfg):
+    """One token `tokens` `[S]` into every `active` slot (the others hold); returns (the next
+    token of each slot `[S]`, the state)."""
+    logits, cache = step(params, state["cache"], tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
+    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
+    return tokens, {**state, "cache": cache}
+
+
+@partial(jax.jit, static_argnums=(11, 12), donate_argnums=(2,))
+def _speculate_slots(params, mtp, state, last, active, limit, temperature, top_k, top_p, seeds, drawn, k, cfg):
+    """One verification round (speculative.verify_round) for every active slot, at most limit[s]
+    drafts kept; returns (each slot's tokens `[S, k + 1]` (the first kept + 1 real), kept `[S]`,
+    the state)."""
+    cache, mtp_cache, pending, tokens, kept = speculative.verify_round(
+        params, mtp, state["cache"], state["mtp_cache"], last, state["pending"], active, drawn, seeds,
+        (temperature, top_k, top_p), k, cfg, limit=limit)
+    return tokens, kept, {**state, "cache": cache, "mtp_cache": mtp_cache, "pending": pending}
+
+
+class StaticEngine(Engine):
+    """The baseline continuous batching is measured against: `generate` on static batches, as a
+    server without an engine would run it. The waiting requests (up to `slots`) go as one batch
+    through `generate.run_request`, and the next batch starts when the whole batch is done: a
+    request arriving meanwhile waits for it, and a request gets all its tokens when its batch ends.
+    A batch decodes with its first request's sampling settings and stop ids, for the longest
+    max_tokens among its requests (each request's tokens are cut to its own limit and stop ids).
+    Same interface as Engine (submit, cancel, start / stop, stats); no speculation."""
+
+    def _step_params(self):
+        return None  # generate splits the weights itself, per batch, as a server calling it does
+
+    def _new_state(self) -> dict:
+        return {}
+
+    def step(self) -> bool:
+        with self.lock:
+            self._drop_cancelled()
+            batch = []
+            while self.waiting and len(batch) < self.slots:
+                req = self.waiting.popleft()
+                req.slot, req.admitted = self.free.pop(0), time.monotonic()
+                self.running[req.slot] = req
+                batch.append(req)
+        if not batch:
+            return False
+        first = batch[0]
+        request = validate_request([r.prompt for r in batch], self.cfg, max(r.max_tokens for r in batch),
+                                   first.temperature, first.top_k, first.top_p, list(first.stop_token_ids) or None,
+                                   first.seed, max_len=self.max_len)
+        out = run_request(self.model, self.cfg, request)
+        self.counters["prompt_tokens"] += sum(len(r.prompt) for r in batch)
+        for r, tokens in zip(batch, out.rows()):
+            r.prefilled = len(r.prompt)
+            for t in tokens:
+                self._emit(r, int(t))
+                if r.done:
+                    break
+            if not r.done:  # the batch's stop id ended it before its own limit
+                self._finish(r, "stop")
+        return True
+
+    def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
+        """Runs `generate` once for every batch bucket and prefill chunk length it can meet at this
+        max_len, on random prompts and for up to `decode_runs` tokens, so that serving compiles
+        nothing and no request pays a first run through an expert (see `Engine.warmup`, also for
+        `progress`); returns the number of runs."""
+        rows = sorted({self.model.batch_rows(batch_bucket(n)) for n in range(1, self.slots + 1)})
+        lengths = sorted({chunk_bucket(1 << i) for i in range(PREFILL_CHUNK.bit_length())} - {0})
+        runs = [(R, L) for R in rows for L in lengths if L + 1 <= self.max_len]
+        report = progress or (lambda *_: None)
+        rng = np.random.default_rng(0)
+        for i, (R, L) in enumerate(runs, 1):
+            prompts = rng.integers(0, self.cfg.vocab_size, (R, L)).tolist()
+            tokens = min(decode_runs, self.max_len - L)
+            run_request(self.model, self.cfg, validate_request(prompts, self.cfg, tokens, max_len=self.max_len))
+            report(i, len(runs), f"generate ({R} row{'s' * (R > 1)}, {L}-token prompts)")
+        return len(runs)

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server (`dsv4-serve`) over the runtime's Engine: tokenizers, chat
+templates, the HTTP layer."""

@@ -1,0 +1,950 @@
+"""`dsv4-serve --ckpt DIR [options]`: an OpenAI-compatible HTTP server over the serving engine.
+
+FastAPI on uvicorn. The engine (dsv4_jax/runtime/engine.py, continuous batching over cache slots) runs in
+its own thread (`Engine.start`); a request's tokens come back through its `on_token` callback on
+that thread, which hands them to the request's asyncio queue with `loop.call_soon_threadsafe`.
+The checkpoint's programs are all compiled (or loaded from the compilation cache) and run once
+before the port opens (`warmup`, a line of progress per program; unless --no-warmup), so no
+request pays a compilation or a program's slow first run. Text is tokenized in worker threads
+(dsv4_jax/serving/tokenization.py) and a text whose length alone proves it too long for the context is
+refused before it is tokenized, so a large prompt does not stall the other clients.
+
+Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (prompt: text, a list
+of texts, token ids or a list of token-id lists; one choice per prompt), `POST
+/v1/chat/completions` (the chat format of dsv4_jax/serving/chat.py), `GET /health` (200; 503 once the
+engine thread has stopped), `GET /metrics` (Prometheus text format, `dsv4:` names, see `Metrics`).
+Streaming (`"stream": true`) sends server-sent events, one chunk per generated token, ending with
+`data: [DONE]`; with `stream_options: {"include_usage": true}` a last chunk before it holds
+`choices: []` and the usage.
+
+Request fields honoured: `model` (optional; another name than --served-model-name is a 404),
+`prompt` / `messages`, `max_tokens` (completions default 16; chat: `max_completion_tokens`, else
+`max_tokens`, else the rest of the context), `temperature` (default 1.0; 0 = greedy), `top_p`,
+`top_k` (0 or -1 = off), `seed` (default: a random one; prompt i of a list draws with seed + i),
+`stop` (a string or a list: matched on the output text, which is cut before the first match),
+`stop_token_ids`, `ignore_eos` (else the checkpoint's eos ids, from generation_config.json or
+config.json, stop a request), `speculative_tokens` (with --speculative-tokens K: drafts a round for
+this request, 0 .. K; default K), `stream`, `stream_options.include_usage`, and for chat
+`chat_template_kwargs`. Accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`.
+Accepted only at the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400
+naming the field: `n`, `best_of`, `echo`, `suffix`, `logprobs`, `top_logprobs`,
+`frequency_penalty`, `presence_penalty`, `logit_bias`, `response_format`, `tools`, `tool_choice`,
+`functions`, `function_call`, `modalities`, `audio`, `prediction`, `reasoning_effort`,
+`web_search_options`, `verbosity`. Any other field is a 400 ("Unrecognized request argument").
+
+Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with the HTTP status as
+`code` (dsv4_jax/serving/http.py): 400 for a bad request (malformed JSON, a field of the wrong type
+or value, text with a lone surrogate, a token id outside the vocabulary, a prompt longer than the
+context or max_tokens past it, in OpenAI's wording), 401 without the --api-key (`/v1/*` only),
+404 for another model name, 408 for a body slower than --timeout-read, 413 for a body over
+--max-request-bytes, 500 for a bug of ours (logged; the connection stays open, as it does after
+every error), 503 when --max-queue requests already wait with no free slot for them, or a
+request the shutdown cut off. A client that disconnects has its requests cancelled, which frees
+their slots: a stream's at once (the ASGI stack cancels its task), any request's within half a
+second (`POLL_S`). SIGINT / SIGTERM shut down gracefully: the port closes, idle and half-sent
+connections close, requests in flight get --timeout-graceful-shutdown seconds to finish (then
+they are cut off), the engine stops, and the process exits 0. Bad flags or a bad checkpoint
+print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError
+from dsv4_jax.runtime.engine import SPEC_DECODE_COUNTERS, Engine, QueueFull, StaticEngine
+from .chat import ChatError, ChatFormat, load_chat_format
+from .http import APIError, Gate, error_response, protocol
+from .tokenization import ServerTokenizer, TextOutput, surrogate_message
+
+PROG = "dsv4-serve"
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+POLL_S = 0.5  # how often a waiting request checks its client and the engine thread
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the engine samples in float32
+LATENCY_BUCKETS = tuple(0.001 * 2 ** k for k in range(22))  # 1 ms .. 35 min, doubling
+NEUTRAL = {  # OpenAI fields we do not implement, accepted (besides null) only at these values
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (),
+}
+MAX_REQUEST_BYTES = 16 << 20  # --max-request-bytes default: a 1M-token prompt as text or as ids fits
+READ_TIMEOUT_S = 30.0  # --timeout-read default
+GRACEFUL_SHUTDOWN_S = 30.0  # --timeout-graceful-shutdown default
+API_KEY_ENV = "DSV4_API_KEY"
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}  # for an empty body's message
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request ran."""
+
+
+# ---- request bodies -------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    include_obfuscation: Any = None  # ignored
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take (module doc); strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None  # a string or a list of strings (checked in `_stops`)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    speculative_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    n: Any = None
+    logprobs: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # text, texts, token ids or lists of them (checked in `_completion_prompts`)
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+class ChatRequest(_Common):
+    messages: Any  # checked by chat.normalize_messages
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+
+def _check_neutral(body: _Common) -> None:
+    for name in body.model_fields_set & NEUTRAL.keys():
+        value = getattr(body, name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in NEUTRAL[name]):
+            allowed = " or ".join(json.dumps(v) for v in (None, *NEUTRAL[name]))
+            raise APIError(400, f"'{name}' is not supported by this server (accepted: {allowed}), got "
+                                f"{json.dumps(value)}", name)
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+SPEC_DECODE_HELP = {
+    "spec_decode_num_drafts": "Speculative decoding: draft proposals (verify steps) so far.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed so far.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted so far.",
+}
+
+
+def spec_decode_metrics(stats: dict) -> list:
+    """Counters `dsv4:spec_decode_num_drafts`, `dsv4:spec_decode_num_draft_tokens`,
+    `dsv4:spec_decode_num_accepted_tokens` (exposed with `_total`) for those of these names the
+    engine's stats() has; none when it has none (no speculative decoding)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    out = [CounterMetricFamily(f"dsv4:{name}", SPEC_DECODE_HELP[name], value=stats[name])
+           for name in SPEC_DECODE_COUNTERS if name in stats]
+    per_position = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in stats.items()
+                          if k.startswith("spec_decode_num_accepted_tokens_pos_"))
+    if per_position:
+        family = CounterMetricFamily("dsv4:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                     "draft tokens accepted so far, by their position in the draft.",
+                                     labels=["position"])
+        for i, v in per_position:
+            family.add_metric([str(i)], v)
+        out.append(family)
+    return out
+
+
+class _EngineCollector:
+    """engine.stats() read at each scrape: gauges of requests and slots, token counters."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.engine.stats()
+        yield GaugeMetricFamily("dsv4:num_requests_running", "Requests in a slot (prefilling or decoding).",
+                                value=s["running"])
+        yield GaugeMetricFamily("dsv4:num_requests_waiting", "Requests waiting for a slot.", value=s["waiting"])
+        yield GaugeMetricFamily("dsv4:num_slots", "Cache slots (sequences decoded together).", value=s["slots"])
+        yield GaugeMetricFamily("dsv4:num_slots_used", "Cache slots holding a request.", value=s["slots_used"])
+        yield GaugeMetricFamily("dsv4:kv_cache_usage_perc", "Cache use: tokens held over the slots' capacity "
+                                "(1 = full).", value=s["cache_usage"])
+        yield CounterMetricFamily("dsv4:prompt_tokens", "Prompt tokens prefilled.", value=s.get("prompt_tokens", 0))
+        yield CounterMetricFamily("dsv4:generation_tokens", "Tokens generated.", value=s.get("generation_tokens", 0))
+        finished = CounterMetricFamily("dsv4:request_success", "Requests the engine finished, by reason "
+                                       "(cancelled: a stop string or a client that left).", labels=["finished_reason"])
+        for reason in ("stop", "length", "cancelled"):
+            finished.add_metric([reason], s.get(f"finished_{reason}", 0))
+        yield finished
+        yield from spec_decode_metrics(s)
+
+
+class Metrics:
+    """The server's Prometheus registry: the engine's state (`_EngineCollector`) and histograms of
+    time to first token, inter-token latency, end-to-end latency and queue time (seconds, from the
+    engine's timestamps), observed when a request ends."""
+
+    def __init__(self, engine: Engine):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+
+        def histogram(name, doc):
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("dsv4:time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("dsv4:inter_token_latency_seconds", "Between consecutive tokens of a request.")
+        self.e2e = histogram("dsv4:e2e_request_latency_seconds", "Arrival to the end of the request.")
+        self.queue = histogram("dsv4:request_queue_time_seconds", "Arrival to admission into a slot.")
+
+    def observe(self, req, end: float) -> None:
+        """A finished engine request (called on the engine thread)."""
+        if req.admitted is not None:
+            self.queue.observe(req.admitted - req.arrival)
+        if req.token_times:
+            self.ttft.observe(req.token_times[0] - req.arrival)
+            for a, b in zip(req.token_times, req.token_times[1:]):
+                self.itl.observe(b - a)
+            self.e2e.observe(end - req.arrival)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---- the service ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Service:
+    """What the handlers share: the engine, the tokenizer, the chat format, names and ids."""
+
+    engine: Engine
+    tokenizer: ServerTokenizer
+    chat: ChatFormat
+    model_name: str
+    eos_ids: tuple[int, ...]
+    metrics: Metrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.cfg.vocab_size
+
+
+@dataclasses.dataclass
+class Sampling:
+    """A request's sampling and stop settings, checked."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    stops: list[str]
+    speculative_tokens: int | None
+
+
+def _sampling(body: _Common, service: Service) -> Sampling:
+    V = service.vocab_size
+    t = 1.0 if body.temperature is None else body.temperature
+    if not 0 <= t <= FLOAT32_MAX:
+        raise APIError(400, f"temperature must be >= 0 (0: greedy) and a float32, got {t}", "temperature")
+    p = 1.0 if body.top_p is None else body.top_p
+    if not 0 < p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
+    k = 0 if body.top_k in (None, -1) else body.top_k
+    if not 0 <= k <= V:
+        raise APIError(400, f"top_k must be 0 or -1 (off) or at most the vocabulary size {V}, got {body.top_k}",
+                       "top_k")
+    ids = tuple(body.stop_token_ids or ())
+    bad = next((i for i in ids if not 0 <= i < V), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {V})", "stop_token_ids")
+    if not body.ignore_eos:
+        ids += tuple(i for i in service.eos_ids if i not in ids)
+    seed = random.getrandbits(32) if body.seed is None else body.seed
+    drafts = body.speculative_tokens
+    if drafts is not None and not 0 <= drafts <= service.engine.k:
+        raise APIError(400, f"speculative_tokens must be between 0 and the server's --speculative-tokens "
+                            f"({service.engine.k}), got {drafts}", "speculative_tokens")
+    return Sampling(t, k, p, seed, ids, _stops(body.stop), drafts)
+
+
+def _stops(stop) -> list[str]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    for i, text in enumerate(stops):
+        _check_text(text, "stop" if isinstance(stop, str) else f"stop[{i}]")
+    return stops
+
+
+def _check_text(text: str, param: str) -> None:
+    message = surrogate_message(text, param)
+    if message is not None:
+        raise APIError(400, message, param)
+
+
+def _check_length(text: str, service: Service, param: str) -> None:
+    """Refuses a text that its length in characters already proves too long for the context,
+    before it is tokenized."""
+    n, limit = service.tokenizer.min_tokens(text), service.engine.max_len
+    if n >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has at "
+                            f"least {n} input tokens ({len(text)} characters). Please reduce the length of the "
+                            f"input.", param)
+
+
+async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
+    """`prompt` as token-id lists: text (encoded with the tokenizer's special tokens, e.g. bos,
+    in a worker thread), a list of texts, token ids, or a list of token-id lists."""
+    def is_id(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    single = isinstance(prompt, str)
+    if single:
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(map(is_id, prompt)):
+        return [prompt]
+    if not (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and p and all(map(is_id, p)) for p in prompt))):
+        raise APIError(400, "prompt must be a string, a list of strings, a non-empty list of token ids or a list of "
+                            "non-empty token-id lists", "prompt")
+    if not isinstance(prompt[0], str):
+        return prompt
+    for i, text in enumerate(prompt):
+        param = "prompt" if single else f"prompt[{i}]"
+        _check_text(text, param)
+        _check_length(text, service, param)
+    return await asyncio.to_thread(service.tokenizer.encode, prompt)
+
+
+class Generation:
+    """One API request's prompts running in the engine, as events (choice, text delta, finish
+    reason or None), one per generated token; the last one of each choice has its finish reason.
+
+    The engine thread's callback puts (choice, token, engine finish reason) on an asyncio queue
+    with `call_soon_threadsafe`; the handler's task turns tokens into text (`TextOutput`)."""
+
+    def __init__(self, service: Service, http: Request, prompts: list[list[int]], max_tokens: list[int],
+                 sampling: Sampling, param: str):
+        self.service, self.http = service, http
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = sum(map(len, prompts))
+        self.outputs = [TextOutput(service.tokenizer, sampling.stops) for _ in prompts]
+        self.completion_tokens = [0] * len(prompts)
+        self.finish: list[str | None] = [None] * len(prompts)
+        engine = service.engine
+        for p, m in zip(prompts, max_tokens):
+            _validate(engine, p, m, param)
+        self.requests = []
+        try:
+            for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+                self.requests.append(engine.submit(
+                    p, m, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    seed=sampling.seed + i, stop_token_ids=sampling.stop_token_ids,
+                    speculative_tokens=sampling.speculative_tokens,
+                    on_token=lambda req, token, i=i: self._on_token(i, req, token)))
+        except QueueFull as e:
+            self.cancel()
+            raise APIError(503, f"The server is overloaded: {e}; retry later") from None
+
+    def _on_token(self, index: int, req, token: int | None) -> None:
+        """Runs on the engine thread."""
+        if token is None:
+            self.service.metrics.observe(req, time.monotonic())
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, token, req.finish_reason))
+
+    async def events(self):
+        """Yields (choice, text delta, finish reason or None) until every choice has finished.
+        Raises ClientGone when the client leaves, APIError(500) when the engine thread stops."""
+        getter, checked = None, self.loop.time()
+        try:
+            while None in self.finish:
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+                if self.loop.time() - checked >= POLL_S:  # also while tokens flow (a non-streaming request)
+                    checked = self.loop.time()
+                    if await self.http.is_disconnected():
+                        raise ClientGone()
+                    if not self.service.engine.alive():
+                        raise APIError(500, "the engine stopped; see the server's log")
+                if not done:
+                    continue
+                (i, token, reason), getter = getter.result(), None
+                if self.finish[i] is not None:  # tokens after a stop string, until the cancel lands
+                    continue
+                self.completion_tokens[i] += 1
+                out = self.outputs[i]
+                delta = out.add(None if reason == "stop" else token, reason is not None)
+                if out.stopped:
+                    self.service.engine.cancel(self.requests[i])
+                    reason = "stop"
+                self.finish[i] = reason
+                yield i, delta, reason
+        finally:
+            if getter is not None:
+                getter.cancel()
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancels the requests still in the engine (their slots free at the next step)."""
+        for r in self.requests:
+            if not r.done:
+                self.service.engine.cancel(r)
+
+    def usage(self) -> dict:
+        n = sum(self.completion_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+def _validate(engine: Engine, prompt: list[int], max_tokens: int, param: str) -> None:
+    """The engine's checks (OpenAI's wording), naming the prompt or max_tokens."""
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    for tokens, field in ((1, param), (max_tokens, "max_tokens")):
+        try:
+            engine.validate(prompt, tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), field) from None
+
+
+def _check_model(body: _Common, service: Service) -> None:
+    if body.model is not None and body.model != service.model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+
+
+def _checked_sampling(body: _Common, service: Service) -> Sampling:
+    """The checks every completion request gets (model, fields at their neutral values, stream
+    options), then its sampling settings."""
+    _check_model(body, service)
+    _check_neutral(body)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    return _sampling(body, service)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _respond(gen: Generation, body: _Common, kind: str, model: str) -> Response:
+    """The response to a completion (kind "text_completion") or chat ("chat.completion") request:
+    a stream of server-sent events, or one JSON object once every choice has finished."""
+    chat = kind == "chat.completion"
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind + (".chunk" if chat and body.stream else ""), "created": int(time.time()), "model": model}
+
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        started = [False] * len(gen.outputs)
+
+        def choice(i, delta, reason):
+            if not chat:
+                return {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+            d = {"content": delta}
+            if not started[i]:  # the role goes with the first token (a chunk with choices times TTFT)
+                d, started[i] = {"role": "assistant", **d}, True
+            return {"index": i, "delta": d, "logprobs": None, "finish_reason": reason}
+
+        async def stream():
+            try:
+                async for i, delta, reason in gen.events():
+                    yield _sse({**head, "choices": [choice(i, delta, reason)], **({"usage": None} if usage else {})})
+            except ClientGone:
+                return
+            except APIError as e:
+                yield _sse(e.body())
+            else:
+                if usage:
+                    yield _sse({**head, "choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    texts = [""] * len(gen.outputs)
+    try:
+        async for i, delta, _ in gen.events():
+            texts[i] += delta
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": gen.finish[i]} for i, t in enumerate(texts)]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": gen.finish[i]}
+                   for i, t in enumerate(texts)]
+    return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
+
+
+# ---- the API's documented responses (/openapi.json) ------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body."""
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+ERROR_STATUSES = {
+    400: "A malformed or invalid request (the field is named in `param`)",
+    401: "The server has an API key (--api-key) and the request did not send it as `Authorization: Bearer KEY`",
+    404: "Another model name than the served one",
+    408: "The request body did not arrive within --timeout-read seconds",
+    413: "The request body is larger than --max-request-bytes",
+    500: "An internal error (logged by the server)",
+    503: "The waiting queue is full, the engine stopped, or the server shut down before the request finished",
+}
+SSE = {"text/event-stream": {"schema": {"type": "string"},
+                             "description": "With `stream: true`: one `data: {chunk}` event per token, then "
+                                            "`data: [DONE]`"}}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict:
+    out = {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+    if stream:
+        out[200] = {"content": SSE}
+    return out
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without the 422 it adds to every route with parameters: the server
+    answers every invalid request with a 400 in the error shape."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               read_timeout: float = READ_TIMEOUT_S) -> FastAPI:
+    """The ASGI app behind `Gate` (dsv4_jax/serving/http.py: API key, body limit and deadline,
+    internal errors); its lifespan starts the engine thread and stops it at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    app = FastAPI(title=PROG, lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
+    app.add_middleware(Gate, api_key=api_key, max_body=max_request_bytes, read_timeout=read_timeout)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if err["type"] == "json_invalid":
+            message, param = f"The request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})", None
+        elif err["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif err["type"] == "string_unicode":  # a lone surrogate where pydantic reads text (a field's name)
+            message = (f"'{param}' is" if param else "A field name in the request body is") + (
+                " not valid Unicode text (it holds a lone surrogate); send text as UTF-8")
+        elif param is None and (err["type"] == "missing" or err.get("input", 0) is None):  # no body, or null
+            param = REQUIRED.get(request.url.path)
+            message = f"The request body is empty: send a JSON object with at least '{param}'"
+        elif err["type"] == "missing":
+            message = f"Missing required parameter: '{param}'"
+        else:
+            message = f"Invalid value for '{param}': {err['msg']}" if param else err["msg"]
+        return error_response(APIError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return error_response(APIError(e.status_code, str(e.detail)), e.headers)  # 405 keeps its Allow
+
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "dsv4-jax",
+                "max_model_len": service.engine.max_len}
+
+    @app.get("/health", responses=_responses(503))
+    async def health() -> dict:
+        if not service.engine.alive():
+            raise APIError(503, "the engine thread is not running")
+        return {}
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format (`dsv4:` names)"}})
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_responses(401))
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_responses(401, 404))
+    async def model(model_id: str):
+        if model_id != service.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return model_card()
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
+    async def completions(body: CompletionRequest, http: Request):
+        sampling = _checked_sampling(body, service)
+        prompts = await _completion_prompts(body.prompt, service)
+        m = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt")
+        return await _respond(gen, body, "text_completion", service.model_name)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
+    async def chat_completions(body: ChatRequest, http: Request):
+        sampling = _checked_sampling(body, service)
+        prompt = await _chat_prompt(body, service)
+        m = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if m is None:
+            m = max(service.engine.max_len - len(prompt), 1)
+        gen = Generation(service, http, [prompt], [m], sampling, "messages")
+        return await _respond(gen, body, "chat.completion", service.model_name)
+
+    return app
+
+
+async def _chat_prompt(body: ChatRequest, service: Service) -> list[int]:
+    """The request's messages rendered (dsv4_jax/serving/chat.py) and encoded, both in a worker thread;
+    the special-token strings of the request's own text become plain text."""
+    tokenizer = service.tokenizer
+    try:
+        prompt = await asyncio.to_thread(service.chat.render, body.messages, body.chat_template_kwargs,
+                                         tokenizer.specials)
+    except ChatError as e:
+        raise APIError(400, str(e), e.param) from None
+    _check_length(prompt.text, service, "messages")
+    return await asyncio.to_thread(tokenizer.encode_chat, prompt.text, prompt.literals)
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    from dsv4_jax.runtime.cli_args import add_model_arguments
+
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (dsv4-convert output, or HF safetensors), "
+                                                  "with tokenizer.json")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    ap.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint "
+                                                "directory's name)")
+    ap.add_argument("--slots", type=int, default=8, help="sequences decoded together (cache rows; default 8)")
+    ap.add_argument("--max-len", type=int, default=4096, help="tokens per slot: prompt + output (default 4096)")
+    ap.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more get "
+                                                                "503 (default 1024)")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="largest prompt chunk prefilled in one step, "
+                                                                   "a power of two >= 16 (default 512)")
+    ap.add_argument("--max-tokens-per-step", type=int, default=None,
+                    help="token budget of an engine step: prefill chunks plus one per decoding slot "
+                         "(default: prefill chunk + slots)")
+    add_model_arguments(ap)
+    ap.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
+                    help="continuous batching (the engine; default), or static batches through generate (the "
+                         "baseline it is measured against: a batch runs to its end before the next starts)")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
+    ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
+                                                             "requests then compile)")
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help=f"largest request body; larger ones get 413 (default {MAX_REQUEST_BYTES})")
+    ap.add_argument("--timeout-read", type=float, default=READ_TIMEOUT_S,
+                    help="seconds a client has to send a request's headers (from connecting or from its previous "
+                         "response) and then its body; slower ones are cut off (default %(default)g)")
+    ap.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S,
+                    help="on SIGINT / SIGTERM, seconds the requests in flight have to finish before they are "
+                         "cancelled (default %(default)g)")
+    args = ap.parse_args(argv)
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--timeout-read", args.timeout_read),
+                        ("--timeout-graceful-shutdown", args.timeout_graceful_shutdown)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be positive, got {value:g}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty")
+    return args
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening: a taken port fails here, before the
+    model loads, and clients are refused until uvicorn listens (after warm-up)."""
+    if not 0 <= port < 65536:
+        raise OSError(f"--port must be in [0, 65536), got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"--host {host}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def _tokenizer(ckpt: str):
+    from tokenizers import Tokenizer
+
+    path = os.path.join(ckpt, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: the server needs the checkpoint's tokenizer")
+    try:
+        return ServerTokenizer(Tokenizer.from_file(path))
+    except Exception as e:  # noqa: BLE001  the tokenizers package raises plain Exceptions
+        raise ValueError(f"{path}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") from None
+
+
+def load_service(args, log=None) -> Service:
+    """Loads the checkpoint, builds the engine and (unless --no-warmup) compiles and runs its programs.
+    ValueError / OSError for a bad flag or checkpoint."""
+    from dsv4_jax.runtime import compile_cache
+    from dsv4_jax.runtime.cli_args import model_options
+
+    log = log or (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
+    compile_cache.enable(args.compile_cache)  # before anything compiles
+    import jax.numpy as jnp
+
+    import dsv4_jax
+    from dsv4_jax.checkpoint.hf_files import generation_eos_ids
+
+    if not os.path.isdir(args.ckpt):
+        raise ValueError(f"checkpoint directory not found: {args.ckpt}")
+    tokenizer = _tokenizer(args.ckpt)
+    chat = load_chat_format(args.ckpt)
+    options, mesh = model_options(args)
+    t0 = time.perf_counter()
+    model = dsv4_jax.load(args.ckpt, dtype=getattr(jnp, args.dtype), mesh=mesh, layout=args.layout,
+                          mtp=args.speculative_tokens > 0, **options)
+    cfg = model.config
+    if cfg.use_index_cache:
+        log(dsv4_jax.index_cache_schedule(cfg).describe())
+    eos = generation_eos_ids(args.ckpt, cfg.vocab_size) or (
+        () if cfg.eos_token_id is None else (cfg.eos_token_id,))
+    if args.scheduler == "static" and args.speculative_tokens:
+        raise ValueError("--scheduler static runs no speculation: drop --speculative-tokens")
+    engine = (Engine if args.scheduler == "continuous" else StaticEngine)(
+        model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+        max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
+        speculative_tokens=args.speculative_tokens)
+    name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
+    log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
+        f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")
+    if tokenizer.chars_per_token is None:
+        log("text prompts are not length-checked before they are tokenized (no bound on characters per token "
+            "holds for this tokenizer); --max-request-bytes limits them")
+    if not args.no_warmup:
+        warmup(engine, log)
+    return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine))
+
+
+def warmup(engine: Engine, log) -> None:
+    """Runs the engine's warm-up (every program compiled, or loaded from the compilation cache,
+    and run once), logging a line per program and at the end how many were compiled and how
+    many loaded."""
+    from dsv4_jax.runtime.compile_cache import CompileCounter
+
+    t0 = time.perf_counter()
+    compiled = loaded = 0
+    log("warm-up: compiling and running every program before the port opens (--no-warmup skips it)")
+    with CompileCounter() as counter:
+        seen = (0, 0)
+
+        def progress(i: int, total: int, name: str) -> None:
+            nonlocal seen, compiled, loaded
+            new = (counter.compiled - seen[0], counter.loaded - seen[1])
+            seen = (counter.compiled, counter.loaded)
+            how = "compiled" if new[0] else "loaded from the compilation cache" if new[1] else "already compiled"
+            compiled, loaded = compiled + bool(new[0]), loaded + bool(not new[0] and new[1])
+            log(f"warm-up: {i}/{total} {name}: {how}, run ({time.perf_counter() - t0:.1f}s)")
+
+        n = engine.warmup(progress=progress)
+    seconds = f"{time.perf_counter() - t0:.1f}s"
+    if compiled and loaded:
+        log(f"warm-up compiled {compiled} programs and loaded {loaded} from the compilation cache, and ran them "
+            f"in {seconds}")
+    elif loaded:
+        log(f"warm-up loaded {n} programs from the compilation cache and ran them in {seconds}")
+    elif compiled:
+        log(f"warm-up compiled {n} programs and ran them in {seconds}")
+    else:
+        log(f"warm-up ran {n} programs, compiled already, in {seconds}")
+
+
+def uvicorn_config(service: Service, args, log_level: str = "info"):
+    """uvicorn's configuration for the app: the h11 protocol with the header deadline and the
+    graceful shutdown of dsv4_jax/serving/http.py, the flags' limits."""
+    import uvicorn
+
+    app = create_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     read_timeout=args.timeout_read)
+    return uvicorn.Config(app, http=protocol(args.timeout_read), log_level=log_level,
+                          timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    try:
+        args = parse_args(argv)
+        sock = listen_socket(args.host, args.port)
+    except (UsageError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        service = load_service(args)
+    except (ValueError, OSError, TypeError) as e:
+        sock.close()
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sock.close()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    server = uvicorn.Server(uvicorn_config(service, args, log_level="info"))
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM once it runs, then raises the signal again
+    # for the handler it found. This one also makes a signal that comes before uvicorn takes over
+    # a graceful shutdown, and after it a no-op, so that a graceful shutdown exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    host, port = sock.getsockname()[:2]
+    print(f"{PROG}: serving {service.model_name!r} on http://{host}:{port}"
+          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
