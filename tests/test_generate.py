@@ -19,7 +19,7 @@ import hf_oracle as H
 from dsv4_jax.model.cache import cache_bytes, init_cache
 from dsv4_jax.runtime.compile_cache import CompileCounter
 from dsv4_jax.runtime.buckets import batch_bucket, length_bucket, prefill_plan
-from dsv4_jax.runtime.generate import _decode_loop
+from dsv4_jax.runtime import decode
 from dsv4_jax.runtime.sampling import sample
 from dsv4_jax.model import layer_weights
 from dsv4_jax.model.layer_weights import PerExpert, PerLayer, unstack_layers
@@ -67,10 +67,10 @@ def test_decode_logits_equal_full_forward(tiny):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 150)).astype(np.int32)
     full = np.asarray(_forward(params, ids, cfg))
     cache = init_cache(cfg, 2, 160)
-    logits, cache = _step(params, cache, ids[:, :6], cfg, False)
+    logits, cache, *_ = _step(params, cache, ids[:, :6], cfg, False)
     out = [np.asarray(logits)]
     for t in range(6, 150):
-        logits, cache = _step(params, cache, ids[:, t:t + 1], cfg, False)
+        logits, cache, *_ = _step(params, cache, ids[:, t:t + 1], cfg, False)
         out.append(np.asarray(logits))
     out = np.concatenate(out, axis=1)
     assert np.asarray(cache["pos"]).tolist() == [150, 150]
@@ -88,7 +88,7 @@ def test_chunked_prefill_equals_one_pass(tiny, chunks):
     full = np.asarray(_forward(params, ids, cfg))
     cache, pos, out = init_cache(cfg, 2, 256), 0, []
     for c in chunks:
-        logits, cache = _step(params, cache, ids[:, pos:pos + c], cfg, False)
+        logits, cache, *_ = _step(params, cache, ids[:, pos:pos + c], cfg, False)
         out.append(np.asarray(logits))
         pos += c
     assert _close(np.concatenate(out, axis=1), full)
@@ -273,10 +273,10 @@ def test_decode_has_no_cache_sized_copy():
         params, cache, jnp.zeros((2, 1), jnp.int32), cfg, True).compile().as_text()
     assert "scatter" in hlo or "dynamic-update-slice" in hlo
     assert _cache_copies(hlo, cache) == []
-    i32, f32 = jnp.int32, jnp.float32
-    loop = _decode_loop.lower(params, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 1024), i32),
-                              jnp.zeros((2,), bool), i32(8), jnp.zeros((2,), jnp.uint32), (f32(0), i32(0), f32(1)),
-                              jnp.full((1,), -1, i32), cfg).compile().as_text()
+    i32 = jnp.int32
+    loop = decode.decode_loop.lower(params, decode.DecodeState(cache), jnp.zeros((2,), i32), jnp.zeros((2, 1024), i32),
+                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2), jnp.full((1,), -1, i32),
+                                    cfg).compile().as_text()
     assert _cache_copies(loop, cache) == []
 
 
@@ -372,14 +372,14 @@ def test_cpu_decode_reads_weights_in_place(monkeypatch):
     assert len(experts) == 3 and all(len(x.parts) == cfg.num_layers * cfg.n_routed_experts for x in experts)
     shapes = {",".join(map(str, x.parts[0].shape)) for x in parts}
     cache = init_cache(cfg, 2, 1024)
-    i32, f32 = jnp.int32, jnp.float32
+    i32 = jnp.int32
     stepped = jax.jit(step, static_argnums=(3, 4)).lower(
         params, cache, jnp.zeros((2, 1), i32), cfg, True).compile().as_text()
     copied = _weight_copies(stepped, shapes)  # the stacked layout does copy layers and experts out
     assert any("gather" in c for c in copied) and any("gather" not in c for c in copied)
-    loop = _decode_loop.lower(split, cache, jnp.zeros((2, cfg.vocab_size), f32), jnp.zeros((2, 1024), i32),
-                              jnp.zeros((2,), bool), i32(8), jnp.zeros((2,), jnp.uint32), (f32(0), i32(0), f32(1)),
-                              jnp.full((1,), -1, i32), cfg).compile().as_text()
+    loop = decode.decode_loop.lower(split, decode.DecodeState(cache), jnp.zeros((2,), i32), jnp.zeros((2, 1024), i32),
+                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2), jnp.full((1,), -1, i32),
+                                    cfg).compile().as_text()
     assert _weight_copies(loop, shapes) == []
 
 

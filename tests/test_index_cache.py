@@ -120,7 +120,7 @@ def test_decode_equals_full_forward_with_reuse(params, skip_compressor):
     jstep = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
     out, pos = [], 0
     for c in (7, 30, 1, 1, 1, 2, 48):
-        logits, cache = jstep(params, cache, ids[:, pos:pos + c], cfg, False)
+        logits, cache, *_ = jstep(params, cache, ids[:, pos:pos + c], cfg, False)
         out.append(np.asarray(logits))
         pos += c
     out = np.concatenate(out, axis=1)
@@ -132,13 +132,14 @@ def test_decode_equals_full_forward_with_reuse(params, skip_compressor):
 
 def test_measured_overlap(params):
     cfg = BASE.replace(use_index_cache=True, index_topk_freq=2)
-    logits, _, overlap = jax.jit(step, static_argnums=(3, 4, 5))(
-        params, init_cache(cfg, 2, 64), _ids(64), cfg, False, True)
+    overlap = jax.jit(step, static_argnums=(3, 4, 5))(
+        params, init_cache(cfg, 2, 64), _ids(64), cfg, False, True).reuse_overlap
     overlap = np.asarray(overlap)
     assert np.isnan(overlap[[0, 1, 2, 4, 5, 6]]).all()
     assert 0.0 <= overlap[3] <= 1.0
     same = BASE.replace(use_index_cache=True, index_topk_freq=1)
-    _, _, none = jax.jit(step, static_argnums=(3, 4, 5))(params, init_cache(same, 2, 64), _ids(64), same, False, True)
+    none = jax.jit(step, static_argnums=(3, 4, 5))(params, init_cache(same, 2, 64), _ids(64), same, False,
+                                                   True).reuse_overlap
     assert np.isnan(np.asarray(none)).all()
 
 

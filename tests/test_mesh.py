@@ -159,8 +159,8 @@ def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     prompts, want = greedy_alone
     model = dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 2, "expert": 4}))
     eng = Engine(model, slots=8, max_len=256, prefill_chunk=256)  # every prompt one chunk, as in generate
-    assert set(_shard_rows(eng.state["cache"]["pos"], 0).values()) == {1}
-    assert set(_shard_rows(eng.state["cache"]["csa"]["pool"], 1).values()) == {1}
+    assert set(_shard_rows(eng.state.cache["pos"], 0).values()) == {1}
+    assert set(_shard_rows(eng.state.cache["csa"]["pool"], 1).values()) == {1}
     reqs = [eng.submit(p, 12) for p in prompts[:2]]
     for _ in range(3):
         eng.step()

@@ -42,7 +42,7 @@ def _run(params, cfg, cache, chunks, seqs, got):
         ids = rng.integers(0, cfg.vocab_size, (len(counts), T)).astype(np.int32)
         for b, n in enumerate(counts):
             ids[b, :n] = seqs[b][pos[b]: pos[b] + n]
-        logits, cache = _step(params, cache, jnp.asarray(ids), cfg, False, False, jnp.asarray(counts, jnp.int32))
+        logits, cache, *_ = _step(params, cache, jnp.asarray(ids), cfg, False, False, jnp.asarray(counts, jnp.int32))
         logits = np.asarray(logits)
         for b, n in enumerate(counts):
             got[b].extend(logits[b, :n])
@@ -105,7 +105,7 @@ def test_last_only_takes_each_rows_last_real_token(tiny):
     cfg, params = tiny
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (3, 9)).astype(np.int32)
     n = jnp.asarray([9, 4, 1], jnp.int32)
-    full, _ = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, False, False, n)
-    last, cache = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, True, False, n)
+    full = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, False, False, n).logits
+    last, cache, *_ = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, True, False, n)
     assert np.asarray(cache["pos"]).tolist() == [9, 4, 1]
     assert _close(np.asarray(last)[:, 0], np.asarray(full)[np.arange(3), np.asarray(n) - 1])

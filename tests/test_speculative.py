@@ -15,7 +15,8 @@ import dsv4_jax
 from convert.cli import main as convert_main
 from dsv4_jax.runtime.generate import run_request, validate_request
 from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
-from dsv4_jax.runtime.speculative import Forced, accept
+from dsv4_jax.runtime.speculative import accept
+from dsv4_jax.tools.bench_speculative import ForcedDrafts
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,8 @@ def test_greedy_with_the_block_equals_without(model, prompts, reference, k):
 
 def _forced(model, prompts, continuation, k, right, eos=None):
     req = validate_request(prompts, model.config, 40, eos_token_id=eos, speculative_tokens=k)
-    forced = Forced(continuation, np.asarray(right, np.int32), np.ones(len(prompts), np.float32))
-    return run_request(model, model.config, req, forced)
+    drafter = ForcedDrafts(continuation, np.asarray(right, np.int32), np.ones(len(prompts), np.float32))
+    return run_request(model, model.config, req, drafter)
 
 
 @pytest.mark.parametrize("k, right", [(3, [3, 3, 3]), (3, [0, 0, 0]), (4, [1, 2, 3]), (2, [2, 0, 1])],

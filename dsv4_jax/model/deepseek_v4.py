@@ -336,20 +336,29 @@ def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp
     return dense(y.astype(jnp.float32), head.astype(jnp.float32))
 
 
+class StepOutput(NamedTuple):
+    """What `step` gives for a chunk."""
+
+    logits: jnp.ndarray  # fp32 [B, T, V], or [B, 1, V] at each row's last real token with last_only
+    cache: dict  # the cache with the chunk added
+    hidden: jnp.ndarray | None = None  # with return_hidden: the final streams [B, T, hc, D] before the hc head
+    reuse_overlap: jnp.ndarray | None = None  # with measure_reuse: [L], per layer (NaN: not reusing)
+
+
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
-         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False):
+         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False) -> StepOutput:
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
     n_valid[b] of its chunk; the rest are padding, neither stored nor advancing the row (0: the
     row holds its state). Rows advance independently: each has its own window-ring slots,
-    compression-block phase, pool length, RoPE positions and causal limits. Returns (fp32 logits
-    `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only; the cache with the
-    chunk added). Prefill (any T, chunks of any size) and decode (T = 1) are the same
+    compression-block phase, pool length, RoPE positions and causal limits. Returns a StepOutput:
+    fp32 logits `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only, and the
+    cache with the chunk added. Prefill (any T, chunks of any size) and decode (T = 1) are the same
     computation; the caller keeps pos + n_valid <= max_len. With measure_reuse, IndexCache's
-    reusing layers also compute their own top-k (not used) and a further output `[L]` gives, per
+    reusing layers also compute their own top-k (not used) and `reuse_overlap` `[L]` gives, per
     layer, the mean fraction of its own selection that the reused one contains (NaN for layers
-    that do not reuse). With return_hidden (static, like last_only) a last output gives the final
+    that do not reuse). With return_hidden (static, like last_only) `hidden` holds the final
     hidden streams `[B, T, hc, D]` before the hyper-connection head at every position of the
     chunk (also with last_only): what the MTP block (dsv4_jax/model/mtp.py) takes as `hidden`.
     """
@@ -363,12 +372,7 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
         last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
     logits = lm_logits(h, params["hc_head"], params["norm"], params["head"], cfg)
-    out = (logits, new_cache)
-    if measure_reuse:
-        out += (overlaps,)
-    if return_hidden:
-        out += (hidden,)
-    return out
+    return StepOutput(logits, new_cache, hidden if return_hidden else None, overlaps if measure_reuse else None)
 
 
 def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
@@ -376,7 +380,7 @@ def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarr
     `[B, S, V]`."""
     B, S = input_ids.shape
     cache = init_cache(cfg, B, S, params["embed"].dtype)
-    return step(params, cache, input_ids, cfg)[0]
+    return step(params, cache, input_ids, cfg).logits
 
 
 RUNTIME_OPTIONS = ("attention_impl", "expert_exchange", "fp8_activations", "use_index_cache", "index_topk_freq", "index_topk_pattern",

@@ -37,18 +37,14 @@ import dataclasses
 import itertools
 import threading
 import time
-from functools import partial
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.model.cache import put_rows, reset_rows, take_rows
-from dsv4_jax.model.deepseek_v4 import Model, step
+from dsv4_jax.model.deepseek_v4 import Model
 from dsv4_jax.model.layer_weights import unstack_layers
-from dsv4_jax.model.mtp import init_mtp_cache
-from . import sampling, speculative
+from . import decode, speculative
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
 
@@ -120,6 +116,7 @@ class Engine:
                              f"({prefill_chunk})")
         self.max_queue = max_queue
         self.k = speculative_tokens
+        self.mtp = model.mtp if self.k else None  # the block's rows run in prefill only with speculation
         self.state = self._new_state()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
@@ -187,23 +184,11 @@ class Engine:
             req.cancelled = True
             self.wake.notify()
 
-    def _new_state(self) -> dict:
-        """The device state: the cache; with speculation (k drafts) also the MTP block's cache, the
-        main model's hidden streams at each slot's last prompt position so far (`carry`) and the
-        block's pending rows (dsv4_jax/runtime/speculative.py). The caches hold k positions past max_len
-        (a verification writes k past the last token it keeps) in rings k slots wider. Committed
-        to the devices, as every step's output is: `warmup` then compiles the programs the steps
-        run (an uncommitted input lowers to other programs)."""
-        m, k, S = self.model, self.k, self.slots
-        state = {"cache": m.new_cache(S, self.max_len + k, lookahead=k)}
-        if k:
-            with m.on_mesh():
-                state["mtp_cache"] = init_mtp_cache(self.cfg, S, m.dtype, lookahead=k)
-            hidden = (S, k + 1, self.cfg.hc_mult, self.cfg.hidden_size)
-            state["carry"] = jnp.zeros(hidden[:1] + hidden[2:], m.dtype)
-            state["pending"] = speculative.Pending(jnp.zeros(hidden, m.dtype), jnp.zeros(hidden[:2], jnp.int32),
-                                                   jnp.zeros((S,), jnp.int32))
-        return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
+    def _new_state(self) -> decode.DecodeState:
+        """The device state of the slots (decode.new_state): their cache and, with speculation (k
+        drafts), the MTP block's state. The caches hold k positions past max_len (a verification
+        writes k past the last token it keeps)."""
+        return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -239,15 +224,13 @@ class Engine:
             self._finish(req, "cancelled")
 
     @staticmethod
-    def _sampling(reqs: dict[int, Request], rows: int) -> tuple:
-        """Per-row sampling parameters and draw keys `[rows]` for the requests at those rows
-        (the other rows greedy)."""
-        t, k, p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
-        seeds, drawn = np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+    def _sampling(reqs: dict[int, Request], rows: int) -> decode.Sampling:
+        """How the requests at those rows (of `rows`) draw; the other rows greedy."""
+        s = decode.Sampling.rows(rows)
         for i, r in reqs.items():
-            t[i], k[i], p[i] = r.temperature, r.top_k, r.top_p
-            seeds[i], drawn[i] = r.seed & 0xFFFFFFFF, len(r.tokens)
-        return t, k, p, seeds, drawn
+            s.temperature[i], s.top_k[i], s.top_p[i] = r.temperature, r.top_k, r.top_p
+            s.seeds[i], s.drawn[i] = r.seed & 0xFFFFFFFF, len(r.tokens)
+        return s
 
     def _prefill(self, chosen: list[tuple[Request, int]]) -> None:
         R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
@@ -262,8 +245,8 @@ class Engine:
             ids[i, :n] = r.prompt[r.prefilled: r.prefilled + n]
             n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.prompt)
         with self.model.on_mesh():
-            tokens, self.state = _prefill_rows(self.params, self.model.mtp, self.state, rows, ids, n_valid, fresh,
-                                               ends, *self._sampling(dict(enumerate(reqs)), R), self.cfg)
+            tokens, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids,
+                                                n_valid, fresh, ends, self._sampling(dict(enumerate(reqs)), R), self.cfg)
         tokens = np.asarray(tokens)
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for i, (r, n) in enumerate(chosen):
@@ -299,17 +282,17 @@ class Engine:
                 if r.done:
                     break
 
-    def _run_decode(self, last, active, limit, sampling_rows) -> tuple:
+    def _run_decode(self, last, active, limit, sample: decode.Sampling) -> tuple:
         """The engine's decode program over all slots, from each slot's last token `last` `[S]`
-        (the slots not `active` hold): one token each, or with speculation one verification round
-        keeping at most limit[s] drafts. Returns (tokens `[S]`, None) or (tokens `[S, k + 1]`,
-        kept `[S]`); the state is the program's."""
+        (the slots not `active` hold): one token each (decode.decode), or with speculation one
+        verification round keeping at most limit[s] drafts (decode.verify). Returns (tokens `[S]`,
+        None) or (tokens `[S, k + 1]`, kept `[S]`); the state is the program's."""
         with self.model.on_mesh():
             if not self.k:
-                tokens, self.state = _decode_slots(self.params, self.state, last, active, *sampling_rows, self.cfg)
+                tokens, self.state = decode.decode(self.params, self.state, last, active, sample, self.cfg)
                 return tokens, None
-            tokens, kept, self.state = _speculate_slots(self.params, self.model.mtp, self.state, last, active, limit,
-                                                        *sampling_rows, self.k, self.cfg)
+            tokens, kept, self.state = decode.verify(self.params, speculative.BlockDrafts(self.mtp), self.state,
+                                                     last, active, limit, sample, self.k, self.cfg)
             return tokens, kept
 
     def _emit(self, req: Request, token: int) -> None:
@@ -394,9 +377,10 @@ class Engine:
         report(1, total, f"decode step ({S} slots)")
         with self.model.on_mesh():
             for i, (R, T) in enumerate(itertools.product(rows, chunks), 2):
-                args = (np.arange(R, dtype=np.int32), rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32),
-                        np.zeros(R, bool), np.zeros(R, bool)) + self._sampling({}, R)
-                _, self.state = _prefill_rows(self.params, self.model.mtp, self.state, *args, self.cfg)
+                _, self.state = decode.prefill(
+                    self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
+                    rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+                    np.zeros(R, bool), self._sampling({}, R), self.cfg)
                 jax.block_until_ready(self.state)
                 report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
         return total
@@ -412,53 +396,6 @@ class Engine:
                     **self.counters}
 
 
-@partial(jax.jit, static_argnums=(13,), donate_argnums=(2,))
-def _prefill_rows(params, mtp, state, rows, ids, n_valid, fresh, ends, temperature, top_k, top_p, seeds, drawn, cfg):
-    """A chunk ids `[R, T]` into the cache rows `rows` `[R]` (n_valid tokens each; `fresh` rows
-    reset first), as one sub-batch; returns (each row's token sampled after its chunk `[R]`, the
-    state). With the MTP block (speculation) its rows for the chunk run too, and a row whose
-    prompt `ends` here gets its first pending row: its last prompt position's hidden streams and
-    the token sampled after it."""
-    sub = reset_rows(take_rows(state["cache"], rows), fresh)
-    p0 = sub["pos"]
-    logits, sub, hidden = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=True)
-    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
-    state = {**state, "cache": put_rows(state["cache"], rows, sub)}
-    if mtp is not None:
-        block = reset_rows(take_rows(state["mtp_cache"], rows), fresh)
-        block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, hidden, ids, p0,
-                                                 n_valid, state["carry"][rows], cfg)
-        pend = state["pending"]
-        start = ends[:, None, None, None] & (jnp.arange(pend.hidden.shape[1]) == 0)[None, :, None, None]
-        pend = speculative.Pending(
-            pend.hidden.at[rows].set(jnp.where(start, carry[:, None], pend.hidden[rows])),
-            pend.ids.at[rows, 0].set(jnp.where(ends, tokens, pend.ids[rows, 0])),
-            pend.n.at[rows].set(jnp.where(ends, 1, pend.n[rows])))
-        state = {**state, "mtp_cache": put_rows(state["mtp_cache"], rows, block),
-                 "carry": state["carry"].at[rows].set(carry), "pending": pend}
-    return tokens, state
-
-
-@partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
-def _decode_slots(params, state, tokens, active, temperature, top_k, top_p, seeds, drawn, cfg):
-    """One token `tokens` `[S]` into every `active` slot (the others hold); returns (the next
-    token of each slot `[S]`, the state)."""
-    logits, cache = step(params, state["cache"], tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
-    tokens = sampling.sample(logits[:, 0], sampling.row_keys(seeds, drawn), temperature, top_k, top_p)
-    return tokens, {**state, "cache": cache}
-
-
-@partial(jax.jit, static_argnums=(11, 12), donate_argnums=(2,))
-def _speculate_slots(params, mtp, state, last, active, limit, temperature, top_k, top_p, seeds, drawn, k, cfg):
-    """One verification round (speculative.verify_round) for every active slot, at most limit[s]
-    drafts kept; returns (each slot's tokens `[S, k + 1]` (the first kept + 1 real), kept `[S]`,
-    the state)."""
-    cache, mtp_cache, pending, tokens, kept = speculative.verify_round(
-        params, mtp, state["cache"], state["mtp_cache"], last, state["pending"], active, drawn, seeds,
-        (temperature, top_k, top_p), k, cfg, limit=limit)
-    return tokens, kept, {**state, "cache": cache, "mtp_cache": mtp_cache, "pending": pending}
-
-
 class StaticEngine(Engine):
     """The baseline continuous batching is measured against: `generate` on static batches, as a
     server without an engine would run it. The waiting requests (up to `slots`) go as one batch
@@ -471,8 +408,8 @@ class StaticEngine(Engine):
     def _step_params(self):
         return None  # generate splits the weights itself, per batch, as a server calling it does
 
-    def _new_state(self) -> dict:
-        return {}
+    def _new_state(self) -> None:
+        return None  # generate makes its own per batch
 
     def step(self) -> bool:
         with self.lock:

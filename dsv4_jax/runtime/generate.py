@@ -1,5 +1,5 @@
 """`generate`: every row's prompt prefilled in chunks, then a decode loop inside one `jax.jit`
-(`lax.while_loop`) over a donated cache.
+(`lax.while_loop`) over a donated cache: the programs of dsv4_jax/runtime/decode.py.
 
 Every row has its own position in the cache (dsv4_jax/model/cache.py), so a ragged batch prefills each
 row's own prompt: chunk k holds tokens k*C .. (k+1)*C - 1 of every row (C = PREFILL_CHUNK), a row
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from functools import partial
 from typing import Sequence
 
 import jax
@@ -36,9 +35,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import RUNTIME_OPTIONS, Model, step, with_options
+from dsv4_jax.model.deepseek_v4 import RUNTIME_OPTIONS, Model, with_options
 from dsv4_jax.model.layer_weights import unstack_layers
-from . import sampling, speculative
+from . import decode, speculative
 from .buckets import PREFILL_CHUNK, batch_bucket, length_bucket, prefill_chunks
 
 EOS_SLOTS = 8
@@ -189,56 +188,6 @@ def validate_request(prompts, cfg: ModelConfig, max_new_tokens, temperature=0.0,
     return Request(rows, max_new_tokens, t, top_k, p, eos, seed, max_len, k)
 
 
-@partial(jax.jit, static_argnums=(6,), donate_argnums=(1,))
-def _prefill(params, cache, ids, n_valid, ends, logits, cfg):
-    """A chunk ids `[B, T]` (n_valid `[B]` real tokens per row) into the cache. logits fp32 `[B, V]`:
-    each row's logits after its last prompt token so far, replaced for the rows whose prompt
-    `ends` (bool `[B]`) in this chunk. Returns (logits, cache)."""
-    last, cache = step(params, cache, ids, cfg, True, n_valid=n_valid)
-    return jnp.where(ends[:, None], last[:, 0], logits), cache
-
-
-@partial(jax.jit, static_argnums=(9,), donate_argnums=(1,))
-def _decode_loop(params, cache, logits, buf, done, max_new, seeds, sampling_params, eos, cfg):
-    """Samples a token per row from `logits` fp32 `[B, V]` and feeds it back, until every row is
-    done: at one of the stop ids `eos` int32 `[K]` (-1: none) or after max_new tokens.
-
-    params: as `unstack_layers` gives them (on CPU: the large layer weights split per layer,
-    once per generate call, outside this program). buf int32 `[B, max_len]` holds the prompts
-    and receives each row's tokens at its positions (the cache's `pos`); done bool `[B]`: rows
-    that take no part (batch padding); seeds uint32 `[B]`; sampling_params (temperature, top_k,
-    top_p). Returns (buf, tokens generated per row, the cache)."""
-    B = buf.shape[0]
-    rows = jnp.arange(B)
-
-    def body(s):
-        cache, logits, buf, n_gen, done = s
-        tok = sampling.sample(logits, sampling.row_keys(seeds, n_gen), *sampling_params)
-        tok = jnp.where(done, 0, tok)
-        buf = buf.at[rows, jnp.where(done, buf.shape[1], cache["pos"])].set(tok, mode="drop")
-        n_gen = n_gen + ~done
-        done = done | jnp.any(tok[:, None] == eos[None, :], axis=-1) | (n_gen >= max_new)
-        logits, cache = step(params, cache, tok[:, None], cfg, True, n_valid=(~done).astype(jnp.int32))
-        return cache, logits[:, 0], buf, n_gen, done
-
-    state = (cache, logits, buf, jnp.zeros((B,), jnp.int32), done)
-    cache, _, buf, n_gen, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, state)
-    return buf, n_gen, cache  # the cache is returned so that the donated input buffers alias it
-
-
-def prefill(model: Model, params: dict, cfg: ModelConfig, prompts: np.ndarray, lengths: np.ndarray, max_len: int,
-            chunk: int = PREFILL_CHUNK):
-    """Every row's prompt (`prompts` int32 `[B, >= max(lengths)]`) into a new cache of max_len on the
-    model's devices. Returns (each row's logits after its last prompt token fp32 `[B, V]`, the cache)."""
-    B = len(lengths)
-    with model.on_mesh():
-        cache = model.new_cache(B, max_len, cfg)
-        logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-        for ids, n, ends in prefill_chunks(prompts, lengths, chunk):
-            logits, cache = _prefill(params, cache, ids, n, ends, logits, cfg)
-    return logits, cache
-
-
 def _eos_ids(eos: tuple[int, ...]) -> np.ndarray:
     """The stop ids as int32 `[K]`, K = EOS_SLOTS or the next power of two above it (padded
     with -1, which no token equals), so that none, one or a few ids share the compiled loop."""
@@ -281,9 +230,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
     return run_request(model, cfg, req)
 
 
-def run_request(model: Model, cfg: ModelConfig, req: Request, forced=None) -> GenerateOutput:
-    """`generate` on a checked request. forced (speculation only): drafts from a known
-    continuation instead of the block (`speculative.Forced`, padded to the request's rows)."""
+def run_request(model: Model, cfg: ModelConfig, req: Request, drafter=None) -> GenerateOutput:
+    """`generate` on a checked request, through the programs of dsv4_jax/runtime/decode.py.
+    drafter (speculation only): the draft source (default: the model's MTP block,
+    `speculative.BlockDrafts`; a test's or a benchmark's may draft from a known continuation)."""
     B, Bb = len(req.rows), model.batch_rows(batch_bucket(len(req.rows)))
     lengths = np.zeros((Bb,), np.int32)  # the padding rows: no prompt, done from the start
     buf = np.zeros((Bb, req.max_len), np.int32)
@@ -291,25 +241,23 @@ def run_request(model: Model, cfg: ModelConfig, req: Request, forced=None) -> Ge
         lengths[b] = len(r)
         buf[b, : len(r)] = r
     params = unstack_layers(model.params)
-    seeds = ((req.seed + np.arange(Bb)) % 2 ** 32).astype(np.uint32)
-    sampling_params = (np.float32(req.temperature), np.int32(req.top_k), np.float32(req.top_p))
+    sample = decode.Sampling.rows(Bb, req.temperature, req.top_k, req.top_p, (req.seed + np.arange(Bb)) % 2 ** 32)
     done, max_new, eos = np.arange(Bb) >= B, np.int32(req.max_new_tokens), _eos_ids(req.eos)
-    k, counters = req.speculative_tokens, None
-    if k:
-        if forced is not None:  # the padding rows draft anything
-            forced = speculative.Forced(*(np.pad(np.asarray(a), [(0, Bb - B)] + [(0, 0)] * (np.ndim(a) - 1))
-                                          for a in forced))
-
-        logits, cache, mtp_cache, carry = speculative.prefill(model, params, cfg, buf, lengths, req.max_len, k)
-        with model.on_mesh():
-            out, n_gen, counters, _, _ = speculative.decode_loop(params, model.mtp, cache, mtp_cache, logits, carry,
-                                                                 buf, done, max_new, seeds, sampling_params, eos, k,
-                                                                 cfg, forced)
-    else:
-        logits, cache = prefill(model, params, cfg, buf, lengths, req.max_len, PREFILL_CHUNK)
-        with model.on_mesh():
-            out, n_gen, _ = _decode_loop(params, cache, logits, buf, done, max_new, seeds, sampling_params, eos, cfg)
+    k = req.speculative_tokens
+    mtp = model.mtp if k else None
+    state = decode.new_state(model, Bb, req.max_len, cfg, k)
     with model.on_mesh():
+        first = jnp.zeros((Bb,), jnp.int32)  # each row's first token, from the chunk its prompt ends in
+        for ids, n, ends in prefill_chunks(buf, lengths, PREFILL_CHUNK):
+            tokens, state = decode.prefill(params, mtp, state, None, ids, n, None, ends, sample, cfg)
+            first = jnp.where(ends, tokens, first)
+        counters = None
+        if k:
+            drafter = (speculative.BlockDrafts(mtp) if drafter is None else drafter).for_rows(Bb)
+            out, n_gen, counters, _ = decode.verify_loop(params, drafter, state, first, buf, done, max_new, sample,
+                                                         eos, k, cfg)
+        else:
+            out, n_gen, _ = decode.decode_loop(params, state, first, buf, done, max_new, sample, eos, cfg)
         out, n_gen = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (out, n_gen))
     tokens = np.zeros((B, req.max_new_tokens), np.int32)
     for b in range(B):
@@ -319,7 +267,7 @@ def run_request(model: Model, cfg: ModelConfig, req: Request, forced=None) -> Ge
 
 
 def speculation_stats(counters: dict) -> dict:
-    """A speculative run's counters (`speculative.decode_loop`) with the acceptance figures:
+    """A speculative run's counters (`decode.verify_loop`) with the acceptance figures:
     acceptance_rate = accepted / draft tokens, acceptance_length = 1 + accepted / drafts (tokens
     per main-model step of a row), accepted_per_position[i] = drafts whose draft i was kept."""
     c = {k: np.asarray(v).tolist() for k, v in counters.items()}

@@ -29,16 +29,14 @@ and predicts the token at t + 2 (architecture.md §9).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.model.deepseek_v4 import Model, step
-from dsv4_jax.model.mtp import init_mtp_cache, mtp_step
+from dsv4_jax.model.deepseek_v4 import step
+from dsv4_jax.model.mtp import mtp_step
 from . import sampling
-from .buckets import PREFILL_CHUNK, prefill_chunks
 
 
 class Pending(NamedTuple):
@@ -48,18 +46,6 @@ class Pending(NamedTuple):
     hidden: jnp.ndarray  # [B, k + 1, hc, D]
     ids: jnp.ndarray  # int32 [B, k + 1]
     n: jnp.ndarray  # int32 [B]
-
-
-class Forced(NamedTuple):
-    """Drafts from a known continuation instead of the block (tests and benchmarks: a chosen
-    acceptance). reference int32 `[B, N]`: each row's tokens from its first generated one on (what
-    the main model will produce); a draft for generated token g is reference[g] where it is to be
-    right, else reference[g] + 1 (mod V). Draft i of a round is right when i < count[b] and a
-    uniform draw is below rate[b]."""
-
-    reference: jnp.ndarray  # int32 [B, N]
-    count: jnp.ndarray  # int32 [B]
-    rate: jnp.ndarray  # fp32 [B]
 
 
 def prefill_block(mtp: dict, embed, head, mtp_cache: dict, hidden: jnp.ndarray, ids: jnp.ndarray, p0: jnp.ndarray,
@@ -88,7 +74,8 @@ def _draw(probs: jnp.ndarray, keys: jnp.ndarray) -> jnp.ndarray:
         probs, keys).astype(jnp.int32)
 
 
-def _fold(keys: jnp.ndarray, tag: int) -> jnp.ndarray:
+def fold(keys: jnp.ndarray, tag: int) -> jnp.ndarray:
+    """Each row's key `[B, 2]` folded with `tag`: a stream of its own for each use in a round."""
     return jax.vmap(lambda k: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), tag)))(keys)
 
 
@@ -111,21 +98,9 @@ def draft_with_block(mtp: dict, embed, head, mtp_cache: dict, pending: Pending, 
             lg, h, mtp_cache = mtp_step(mtp, embed, head, mtp_cache, h, tokens[-1][:, None], cfg, n_valid=active)
             lg = lg[:, 0]
         q = sampling.distribution(lg, *sampling_params)
-        tokens.append(_draw(q, _fold(keys, 2 * i)))
+        tokens.append(_draw(q, fold(keys, 2 * i)))
         dists.append(q)
     return jnp.stack(tokens, 1), jnp.stack(dists, 1), {**mtp_cache, "pos": kept}
-
-
-def forced_drafts(forced: Forced, n_gen: jnp.ndarray, k: int, keys, vocab: int):
-    """k drafts per row from `forced` for the tokens after the n_gen a row has: (drafts `[B, k]`,
-    one-hot distributions `[B, k, V]`)."""
-    i = jnp.arange(k, dtype=jnp.int32)[None, :]
-    want = jnp.take_along_axis(forced.reference, jnp.clip(n_gen[:, None] + i, 0, forced.reference.shape[1] - 1),
-                               axis=1)
-    u = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(_fold(keys, 1))
-    right = (i < forced.count[:, None]) & (u < forced.rate[:, None])
-    drafts = jnp.where(right, want, (want + 1) % vocab).astype(jnp.int32)
-    return drafts, jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
 
 
 def accept(target: jnp.ndarray, draft: jnp.ndarray, drafts: jnp.ndarray, keys,
@@ -141,122 +116,67 @@ def accept(target: jnp.ndarray, draft: jnp.ndarray, drafts: jnp.ndarray, keys,
     proposed = i < (k if limit is None else limit[:, None])
     p = jnp.take_along_axis(target[:, :k], drafts[..., None], axis=-1)[..., 0]
     q = jnp.take_along_axis(draft, drafts[..., None], axis=-1)[..., 0]
-    u = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(_fold(keys, 2 * k + 1))
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(fold(keys, 2 * k + 1))
     kept = jnp.sum(jnp.cumprod((u * q < p) & proposed, axis=1), axis=1).astype(jnp.int32)
     p_j = jnp.take_along_axis(target, kept[:, None, None], axis=1)[:, 0]
     draft = jnp.where(proposed[..., None], draft, 0.0)  # a draft never proposed takes nothing from p
     q_j = jnp.take_along_axis(jnp.pad(draft, ((0, 0), (0, 1), (0, 0))), kept[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(p_j - q_j, 0.0)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_j)
-    return kept, _draw(residual / jnp.sum(residual, axis=-1, keepdims=True), _fold(keys, 2 * k + 2))
+    return kept, _draw(residual / jnp.sum(residual, axis=-1, keepdims=True), fold(keys, 2 * k + 2))
 
 
-def verify_round(params: dict, mtp: dict | None, cache: dict, mtp_cache: dict, last: jnp.ndarray, pending: Pending,
-                 active: jnp.ndarray, n_gen: jnp.ndarray, seeds: jnp.ndarray, sampling_params, k: int, cfg,
-                 forced: Forced | None = None, limit: jnp.ndarray | None = None):
-    """One round for every active row (bool `[B]`; the others hold): draft k tokens (the block, or
-    `forced`), run [last token `last` `[B]` + drafts] through the main model, accept (at most
-    limit[b] drafts, `accept`). Returns
-    (the cache at each row's position after its kept tokens, the block's cache, the new Pending,
-    the row's new tokens int32 `[B, k + 1]` (the first kept + 1 are real: the kept drafts, then
-    the main model's token), kept `[B]`)."""
+class BlockDrafts(NamedTuple):
+    """The drafts of the checkpoint's MTP block (its parameters `block`): the draft source of
+    `verify_round`. A draft source is any pytree with this `draft` method."""
+
+    block: dict
+
+    def draft(self, params: dict, state, active: jnp.ndarray, drawn: jnp.ndarray, keys, sampling_params, k: int,
+              cfg):
+        """k drafts for every active row (bool `[B]`; drawn `[B]`: the tokens each row has): (drafts
+        int32 `[B, k]`, the distributions they were drawn from `[B, k, V]`, the state)."""
+        pending = state.pending._replace(n=state.pending.n * active)
+        drafts, dists, mtp_cache = draft_with_block(self.block, params["embed"], params["head"], state.mtp_cache,
+                                                    pending, k, keys, sampling_params, cfg)
+        return drafts, dists, state._replace(mtp_cache=mtp_cache)
+
+    def for_rows(self, rows: int) -> "BlockDrafts":
+        """The source for a batch padded to `rows` rows."""
+        return self
+
+
+def start(pending: Pending, at, ends: jnp.ndarray, carry: jnp.ndarray, tokens: jnp.ndarray) -> Pending:
+    """`pending` with the rows `at` (int `[R]` or a slice) whose prompt `ends` (bool `[R]`) given
+    their first block row: the hidden streams at the last prompt position (`carry` `[R, hc, D]`)
+    and the token sampled after it (`tokens` `[R]`)."""
+    first = ends[:, None, None, None] & (jnp.arange(pending.hidden.shape[1]) == 0)[None, :, None, None]
+    return Pending(pending.hidden.at[at].set(jnp.where(first, carry[:, None], pending.hidden[at])),
+                   pending.ids.at[at, 0].set(jnp.where(ends, tokens, pending.ids[at, 0])),
+                   pending.n.at[at].set(jnp.where(ends, 1, pending.n[at])))
+
+
+def verify_round(params: dict, drafter, state, last: jnp.ndarray, active: jnp.ndarray, limit: jnp.ndarray | None,
+                 sample, k: int, cfg):
+    """One round for every active row (bool `[B]`; the others hold): k drafts from `drafter` (a
+    draft source: `BlockDrafts`, or a test's), [last token `last` `[B]` + drafts] through the main
+    model, then `accept` (at most limit[b] drafts kept; None: k). state: a decode.DecodeState;
+    sample: its decode.Sampling, `drawn` the tokens each row has. Returns (the state, each row at
+    its position after its kept tokens; the row's new tokens int32 `[B, k + 1]` (the first kept + 1
+    are real: the kept drafts, then the main model's token); kept `[B]`)."""
     B = last.shape[0]
     V = cfg.vocab_size
-    keys = sampling.row_keys(seeds, n_gen)
-    if forced is None:
-        drafts, dists, mtp_cache = draft_with_block(mtp, params["embed"], params["head"], mtp_cache,
-                                                    pending._replace(n=pending.n * active), k, keys,
-                                                    sampling_params, cfg)
-    else:
-        drafts, dists = forced_drafts(forced, n_gen, k, keys, V)
-    q0 = cache["pos"]
+    keys = sample.keys()
+    drafts, dists, state = drafter.draft(params, state, active, sample.drawn, keys, sample.params, k, cfg)
+    q0 = state.cache["pos"]
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
-    logits, cache, hidden = step(params, cache, ids, cfg, False, n_valid=active * (k + 1), return_hidden=True)
-    t, top_k, top_p = (jnp.repeat(jnp.broadcast_to(jnp.asarray(a), (B,)), k + 1) for a in sampling_params)
-    target = sampling.distribution(logits.reshape(B * (k + 1), V), t, top_k, top_p).reshape(B, k + 1, V)
+    out = step(params, state.cache, ids, cfg, False, n_valid=active * (k + 1), return_hidden=True)
+    t, top_k, top_p = (jnp.repeat(jnp.broadcast_to(jnp.asarray(a), (B,)), k + 1) for a in sample.params)
+    target = sampling.distribution(out.logits.reshape(B * (k + 1), V), t, top_k, top_p).reshape(B, k + 1, V)
     kept, nxt = accept(target, dists, drafts, keys, limit)
     i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.where(i < kept[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
-    cache = {**cache, "pos": jnp.where(active, q0 + kept + 1, q0)}
+    cache = {**out.cache, "pos": jnp.where(active, q0 + kept + 1, q0)}
     pending = jax.tree.map(lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old),
-                           Pending(hidden, tokens, kept + 1), pending)  # the rows that hold keep theirs
-    return cache, mtp_cache, pending, tokens, kept
-
-
-def _stops(tokens: jnp.ndarray, eos: jnp.ndarray) -> jnp.ndarray:
-    return jnp.any(tokens[..., None] == eos, axis=-1)
-
-
-@partial(jax.jit, static_argnums=(12, 13), donate_argnums=(2, 3))
-def decode_loop(params, mtp, cache, mtp_cache, logits, carry, buf, done, max_new, seeds, sampling_params, eos, k, cfg,
-                forced=None):
-    """`generate`'s decode loop with speculation (k drafts a round): samples each row's first token
-    from the prefill's `logits` `[B, V]`, then runs `verify_round`s until every row is done (a stop
-    id in `eos`, or max_new tokens). carry `[B, hc, D]`: the main model's hidden streams at each
-    row's last prompt position (`prefill_block`). buf `[B, max_len]` receives each row's tokens at
-    their positions; done `[B]`: rows that take no part. Returns (buf, tokens generated per row,
-    the counters {rounds, drafts, draft_tokens, accepted_tokens, accepted_per_position `[k]`}, the
-    cache, the block's cache)."""
-    B, max_len = buf.shape
-    rows = jnp.arange(B)[:, None]
-    first = jnp.where(done, 0, sampling.sample(logits, sampling.row_keys(seeds, jnp.zeros_like(seeds, jnp.int32)),
-                                               *sampling_params))
-    buf = buf.at[rows[:, 0], jnp.where(done, max_len, cache["pos"])].set(first, mode="drop")
-    n_gen = (~done).astype(jnp.int32)
-    done = done | _stops(first, eos) | (n_gen >= max_new)
-    hidden = jnp.zeros((B, k + 1) + carry.shape[1:], carry.dtype).at[:, 0].set(carry)
-    pending = Pending(hidden, jnp.zeros((B, k + 1), jnp.int32).at[:, 0].set(first), (~done).astype(jnp.int32))
-    counters = {"rounds": jnp.int32(0), "drafts": jnp.int32(0), "draft_tokens": jnp.int32(0),
-                "accepted_tokens": jnp.int32(0), "accepted_per_position": jnp.zeros((k,), jnp.int32)}
-    i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-
-    def body(s):
-        cache, mtp_cache, pending, last, buf, n_gen, done, counters = s
-        active = ~done
-        q = cache["pos"]
-        cache, mtp_cache, pending, tokens, kept = verify_round(params, mtp, cache, mtp_cache, last, pending, active,
-                                                               n_gen, seeds, sampling_params, k, cfg, forced)
-        emit = jnp.where(active, jnp.minimum(kept + 1, max_new - n_gen), 0)  # the real tokens, within the limit
-        stop = _stops(tokens, eos) & (i < emit[:, None])
-        emit = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, emit)  # through the first stop id
-        buf = buf.at[rows, jnp.where(i < emit[:, None], q[:, None] + 1 + i, max_len)].set(tokens, mode="drop")
-        n_gen = n_gen + emit
-        done = done | jnp.any(stop, axis=1) | (n_gen >= max_new)
-        last = jnp.take_along_axis(tokens, kept[:, None], axis=1)[:, 0]
-        n_active = jnp.sum(active, dtype=jnp.int32)
-        counters = {"rounds": counters["rounds"] + 1, "drafts": counters["drafts"] + n_active,
-                    "draft_tokens": counters["draft_tokens"] + k * n_active,
-                    "accepted_tokens": counters["accepted_tokens"] + jnp.sum(jnp.where(active, kept, 0)),
-                    "accepted_per_position": counters["accepted_per_position"]
-                    + jnp.sum((jnp.arange(k)[None, :] < kept[:, None]) & active[:, None], axis=0, dtype=jnp.int32)}
-        return cache, mtp_cache, pending, last, buf, n_gen, done, counters
-
-    state = (cache, mtp_cache, pending, first, buf, n_gen, done, counters)
-    cache, mtp_cache, _, _, buf, n_gen, _, counters = jax.lax.while_loop(lambda s: ~jnp.all(s[6]), body, state)
-    return buf, n_gen, counters, cache, mtp_cache
-
-
-@partial(jax.jit, static_argnums=(9,), donate_argnums=(2, 3))
-def _prefill_chunk(params, mtp, cache, mtp_cache, ids, n_valid, ends, logits, carry, cfg):
-    """generate's prefill chunk (`generate._prefill`) with the block's rows for it (`prefill_block`)."""
-    p0 = cache["pos"]
-    last, cache, hidden = step(params, cache, ids, cfg, True, n_valid=n_valid, return_hidden=True)
-    mtp_cache, carry = prefill_block(mtp, params["embed"], params["head"], mtp_cache, hidden, ids, p0, n_valid, carry,
-                                     cfg)
-    return jnp.where(ends[:, None], last[:, 0], logits), cache, mtp_cache, carry
-
-
-def prefill(model: Model, params: dict, cfg, prompts, lengths, max_len: int, k: int, chunk: int = PREFILL_CHUNK):
-    """`generate.prefill` for speculation: caches with rings k slots wider (module doc), and the
-    block run over the prompts. Returns (each row's logits after its last prompt token, the cache,
-    the block's cache, the main model's hidden streams at each row's last prompt position)."""
-    B = len(lengths)
-    with model.on_mesh():
-        cache = model.new_cache(B, max_len, cfg, lookahead=k)
-        mtp_cache = init_mtp_cache(cfg, B, model.dtype, lookahead=k)
-        logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-        carry = jnp.zeros((B, cfg.hc_mult, cfg.hidden_size), model.dtype)
-        for ids, n, ends in prefill_chunks(prompts, lengths, chunk):
-            logits, cache, mtp_cache, carry = _prefill_chunk(params, model.mtp, cache, mtp_cache, ids, n, ends, logits,
-                                                             carry, cfg)
-    return logits, cache, mtp_cache, carry
+                           Pending(out.hidden, tokens, kept + 1), state.pending)  # the rows that hold keep theirs
+    return state._replace(cache=cache, pending=pending), tokens, kept

@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.model.cache import init_cache
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.deepseek_v4 import Model
 from dsv4_jax.model.layer_weights import unstack_layers
 from dsv4_jax.runtime import compile_cache
-from dsv4_jax.runtime.buckets import prefill_plan
-from dsv4_jax.runtime.generate import _decode_loop, _prefill, prefill
+from dsv4_jax.runtime import decode
+from dsv4_jax.runtime.buckets import prefill_chunks, prefill_plan
 from .hf_reference import make_model
 from .random_checkpoint import FLASH_MINI  # the "flash-mini" model's config (legacy HF form)
 
@@ -159,9 +158,14 @@ def bench_transformers(model, sizes: dict, vocab: int) -> dict:
 
 def _prefill_all(params, cfg, ids: np.ndarray, max_len: int):
     """generate()'s prefill: the per-layer split of the weights (CPU), then the prompt in chunks of
-    PREFILL_CHUNK (the last cut to a power of two). Returns (logits, cache)."""
+    PREFILL_CHUNK (the last cut to a power of two; decode.prefill, greedy). Returns (each row's
+    first token, the state)."""
     params = unstack_layers(params)
-    return prefill(Model(params, cfg), params, cfg, ids, np.full(ids.shape[0], ids.shape[1], np.int32), max_len)
+    B = ids.shape[0]
+    state = decode.new_state(Model(params, cfg), B, max_len)
+    for chunk, n, _ in prefill_chunks(ids, np.full(B, ids.shape[1], np.int32)):
+        first, state = decode.prefill(params, None, state, None, chunk, n, None, None, decode.Sampling.rows(B), cfg)
+    return first, state
 
 
 def _compile_seconds(jitted, *args) -> float:
@@ -170,14 +174,10 @@ def _compile_seconds(jitted, *args) -> float:
     return time.perf_counter() - t0
 
 
-_GREEDY = (np.float32(0), np.int32(0), np.float32(1))  # temperature, top_k, top_p
-
-
 def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     rng = np.random.default_rng(1)
     out: dict = {"compile_s": {}}
-    dtype = params["embed"].dtype
-    i32, f32 = jnp.int32, jnp.float32
+    i32 = jnp.int32
     # generate()'s per-layer weight split (CPU) happens once per call, before its prefill: the
     # prefill timing below includes it, the decode timings reuse this one
     split = unstack_layers(params)
@@ -187,10 +187,10 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     max_len = -(-(S + 1) // 128) * 128
     ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
     chunks = [T for T, _ in prefill_plan([S])]
-    one = np.ones(1, np.int32)
+    one, model = np.ones(1, np.int32), Model(split, cfg)
     out["compile_s"]["prefill"] = {
-        str(c): _compile_seconds(_prefill, split, init_cache(cfg, 1, max_len, dtype), jnp.zeros((1, c), i32), one,
-                                 one.astype(bool), jnp.zeros((1, cfg.vocab_size), f32), cfg)
+        str(c): _compile_seconds(decode.prefill, split, None, decode.new_state(model, 1, max_len), None,
+                                 jnp.zeros((1, c), i32), one, None, None, decode.Sampling.rows(1), cfg)
         for c in sorted(set(chunks))}
     run = lambda _: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len))
     run(None)  # warm-up (first execution)
@@ -198,7 +198,8 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     out["prefill"] = {"tokens": S, "batch": 1, "chunks": chunks, "seconds": t, "tokens_per_s": S / t,
                       "runs_s": ts}
 
-    # decode throughput: generate()'s jitted decode loop after a prompt
+    # decode throughput: generate()'s jitted decode loop after a prompt, n_new steps (as many as
+    # transformers runs): n_new + 1 tokens, the first from the prefill
     P, n_new = sizes["prompt_len"], sizes["new_tokens"]
     for b in sizes["batches"]:
         max_len = -(-(P + n_new) // 128) * 128
@@ -206,26 +207,26 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         buf = np.zeros((b, max_len), np.int32)
         buf[:, :P] = prompt
         rows = (np.zeros((b,), bool),)  # no padding rows
-        extra = (np.zeros(b, np.uint32), _GREEDY, np.full((1,), -1, np.int32), cfg)  # greedy, no eos
+        extra = (decode.Sampling.rows(b), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup():
             return jax.block_until_ready(_prefill_all(split, cfg, prompt, max_len))
 
-        logits, cache = setup()
+        first, state = setup()
         out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
-            _decode_loop, split, cache, logits, buf, *rows, i32(n_new), *extra)
+            decode.decode_loop, split, state, first, buf, *rows, i32(n_new + 1), *extra)
 
-        def decode(s):
-            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, *rows, i32(n_new), *extra)
+        def run_loop(s):
+            toks, n_gen, _ = decode.decode_loop(split, s[1], s[0], buf, *rows, i32(n_new + 1), *extra)
             jax.block_until_ready(toks)
-            assert int(n_gen.min()) == n_new
+            assert int(n_gen.min()) == n_new + 1
 
-        decode(setup())  # warm-up
-        t, ts = _median_time(decode, sizes["repeats"], setup)
+        run_loop(setup())  # warm-up
+        t, ts = _median_time(run_loop, sizes["repeats"], setup)
         out[f"decode_b{b}"] = {"batch": b, "prompt": P, "new_tokens": n_new, "seconds": t,
                                "tokens_per_s": b * n_new / t, "ms_per_step": 1e3 * t / n_new, "runs_s": ts}
 
-    # decode step time at context C: generate()'s decode loop over step_repeats tokens from an
+    # decode step time at context C: generate()'s decode loop over step_repeats steps from an
     # empty cache of max_len C + 128 with pos set to C (the work per step depends only on shapes
     # and masks, not on the cache contents). The contexts take turns, one timed run each per
     # round, so that the machine's drift over the minutes of a run (it is shared) moves every
@@ -237,29 +238,31 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         max_len = C + 128
         buf = np.zeros((1, max_len), np.int32)
         rows = (np.zeros((1,), bool),)  # no padding rows
-        extra = (np.zeros(1, np.uint32), _GREEDY, np.full((1,), -1, np.int32), cfg)  # greedy, no eos
+        extra = (decode.Sampling.rows(1), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup(C=C, max_len=max_len):
-            cache = dict(init_cache(cfg, 1, max_len, dtype), pos=jnp.full((1,), C, i32))
-            return jax.block_until_ready((jax.nn.one_hot(tok, cfg.vocab_size), cache))
+            state = decode.new_state(model, 1, max_len)
+            state = state._replace(cache=dict(state.cache, pos=jnp.full((1,), C, i32)))
+            return jax.block_until_ready((jnp.asarray(tok), state))
 
-        def decode(s, buf=buf, rows=rows, extra=extra):
-            toks, n_gen, _ = _decode_loop(split, s[1], s[0], buf, *rows, i32(n), *extra)
+        def run_loop(s, buf=buf, rows=rows, extra=extra):
+            toks, n_gen, _ = decode.decode_loop(split, s[1], s[0], buf, *rows, i32(n + 1), *extra)
             jax.block_until_ready(toks)
-            assert int(n_gen[0]) == n
+            assert int(n_gen[0]) == n + 1
 
-        logits, cache = setup()
+        first, state = setup()
         steps[str(C)] = {"max_len": max_len,
-                         "compile_s": _compile_seconds(_decode_loop, split, cache, logits, buf, *rows, i32(n), *extra)}
-        del logits, cache
-        decode(setup())  # warm-up
-        runners[C] = (decode, setup)
+                         "compile_s": _compile_seconds(decode.decode_loop, split, state, first, buf, *rows, i32(n + 1),
+                                                       *extra)}
+        del first, state
+        run_loop(setup())  # warm-up
+        runners[C] = (run_loop, setup)
     times = {C: [] for C in runners}
     for _ in range(sizes["step_rounds"]):
-        for C, (decode, setup) in runners.items():
+        for C, (run_loop, setup) in runners.items():
             state = setup()
             t0 = time.perf_counter()
-            decode(state)
+            run_loop(state)
             times[C].append(time.perf_counter() - t0)
     for C, ts in times.items():
         steps[str(C)].update(ms=1e3 * statistics.median(ts) / n, min_ms=1e3 * min(ts) / n, steps_timed=n * len(ts))
@@ -474,12 +477,12 @@ def run(quick: bool = False, skip_transformers: bool = False, torch_threads: int
     result["notes"] = [
         "ours: jax.jit on CPU, fp32; throughput excludes compilation (compiled ahead with .lower().compile(), "
         "then one warm-up execution); times are medians of repeats with block_until_ready.",
-        "prefill: generate()'s path (_prefill over chunks of 512 tokens, the last cut to a power of two, cache "
+        "prefill: generate()'s path (decode.prefill over chunks of 512 tokens, the last cut to a power of two, cache "
         "donated), logits of the last "
         "position only; transformers: one forward of the whole prompt with use_cache=True, logits_to_keep=1.",
-        "decode throughput: ours = generate()'s jitted _decode_loop (greedy) after a prefilled prompt; "
+        "decode throughput: ours = generate()'s jitted decode.decode_loop (greedy, n steps) after a prefilled prompt; "
         "transformers = a greedy loop of model(next_token, cache=...) calls (no generate() overhead).",
-        "ours decode_step at context C: generate()'s decode loop (step_repeats tokens, greedy) from an empty "
+        "ours decode_step at context C: generate()'s decode loop (step_repeats steps, greedy) from an empty "
         "cache of max_len C + 128 with cache['pos'] set to C (the work per step depends only on shapes and "
         "masks, not on the cache contents), ms per token, the median of step_rounds runs taken in turns with the "
         "other contexts; transformers: a real prefill of "

@@ -9,7 +9,7 @@ float32, greedy. For each batch: `generate` without speculation (the baseline), 
 a round from (a) drafts forced always right (acceptance 100 %), (b) drafts forced right with
 probability 0.7 each (a round keeps the drafts up to the first wrong one), (c) the random MTP
 block itself (which almost never agrees with random weights: the cost of drafting with nothing
-gained). Forced drafts come from the baseline's own output (`speculative.Forced`), so every run
+gained). Forced drafts come from the baseline's own output (`ForcedDrafts`), so every run
 produces the same tokens (checked). Prints JSON: per run the seconds (median of repeats, compile
 excluded: one untimed run first), tokens/s, main-model steps (verification rounds; the baseline's
 are its decode steps), tokens per step per row, the acceptance counters, and the ratio of its
@@ -22,8 +22,10 @@ import argparse
 import json
 import sys
 import time
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.model.config import ModelConfig
@@ -33,6 +35,32 @@ from dsv4_jax.model.params import init_params
 from dsv4_jax.runtime import speculative
 from dsv4_jax.runtime.generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
 from .random_checkpoint import FLASH_MINI, TINY
+
+class ForcedDrafts(NamedTuple):
+    """A draft source (as speculative.BlockDrafts) drafting from a known continuation: a chosen
+    acceptance, for benchmarks and tests. reference int32 `[B, N]`: each row's tokens from its first
+    generated one on (what the main model will produce); a draft for generated token g is
+    reference[g] where it is to be right, else reference[g] + 1 (mod V). Draft i of a round is
+    right when i < count[b] and a uniform draw is below rate[b]."""
+
+    reference: np.ndarray  # int32 [B, N]
+    count: np.ndarray  # int32 [B]
+    rate: np.ndarray  # fp32 [B]
+
+    def draft(self, params, state, active, drawn, keys, sampling_params, k: int, cfg):
+        V = cfg.vocab_size
+        i = jnp.arange(k, dtype=jnp.int32)[None, :]
+        want = jnp.take_along_axis(self.reference, jnp.clip(drawn[:, None] + i, 0, self.reference.shape[1] - 1),
+                                   axis=1)
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(speculative.fold(keys, 1))
+        right = (i < self.count[:, None]) & (u < self.rate[:, None])
+        drafts = jnp.where(right, want, (want + 1) % V).astype(jnp.int32)
+        return drafts, jax.nn.one_hot(drafts, V, dtype=jnp.float32), state
+
+    def for_rows(self, rows: int) -> "ForcedDrafts":
+        """Padded to `rows` rows (the padding rows draft anything)."""
+        return ForcedDrafts(*(np.pad(np.asarray(a), [(0, rows - len(a))] + [(0, 0)] * (np.ndim(a) - 1)) for a in self))
+
 
 QUICK = dict(prompt_len=40, new_tokens=12, repeats=1, batches=(1, 2))
 FULL = dict(prompt_len=256, new_tokens=64, repeats=3, batches=(1, 8))
@@ -66,11 +94,11 @@ def run(quick: bool = False, k: int = 3, batches=None, prompt_len=None, new_toke
                                    "tokens_per_step_per_row": 1.0}}
         longer = run_request(model, cfg, validate_request(prompts, cfg, n + k + 1, eos_token_id=None)).tokens
         spec = validate_request(prompts, cfg, n, eos_token_id=None, speculative_tokens=k)
-        cases = {"forced 100%": speculative.Forced(longer, np.full(B, k, np.int32), np.ones(B, np.float32)),
-                 "forced 70%": speculative.Forced(longer, np.full(B, k, np.int32), np.full(B, 0.7, np.float32)),
+        cases = {"forced 100%": ForcedDrafts(longer, np.full(B, k, np.int32), np.ones(B, np.float32)),
+                 "forced 70%": ForcedDrafts(longer, np.full(B, k, np.int32), np.full(B, 0.7, np.float32)),
                  "MTP block (random weights)": None}
-        for name, forced in cases.items():
-            t, ts, res = _time(lambda forced=forced: run_request(model, cfg, spec, forced), sizes["repeats"])
+        for name, drafter in cases.items():
+            t, ts, res = _time(lambda drafter=drafter: run_request(model, cfg, spec, drafter), sizes["repeats"])
             assert res.rows() == base.rows(), f"{name}: speculation changed the greedy output"
             s = res.speculation
             runs[name] = {"seconds": t, "runs_s": ts, "tokens_per_s": B * n / t, "main_model_steps": s["rounds"],

@@ -77,8 +77,9 @@ def report(model: Model, prompts: list[list[int]], new_tokens: int, **on_options
     def prefill(cfg, measure=False):
         return run(model.params, init_cache(cfg, B, max_len, model.dtype), ids, cfg, False, measure)
 
-    logits_off, _ = prefill(off_cfg)
-    logits_on, _, overlap = prefill(on_cfg, True)
+    logits_off = prefill(off_cfg).logits
+    on = prefill(on_cfg, True)
+    logits_on, overlap = on.logits, on.reuse_overlap
     lp_off = jax.nn.log_softmax(logits_off, axis=-1)
     lp_on = jax.nn.log_softmax(logits_on, axis=-1)
     kl = np.asarray(jnp.sum(jnp.exp(lp_off) * (lp_off - lp_on), axis=-1))  # [B, S]
@@ -90,8 +91,8 @@ def report(model: Model, prompts: list[list[int]], new_tokens: int, **on_options
     first_diff = [int(np.argmax(x != y)) if (x != y).any() else None for x, y in zip(a, b)]
 
     # Timing, compile excluded (everything above compiled both variants).
-    prefill_off = _median_time(lambda: prefill(off_cfg)[0])
-    prefill_on = _median_time(lambda: prefill(on_cfg)[0])
+    prefill_off = _median_time(lambda: prefill(off_cfg).logits)
+    prefill_on = _median_time(lambda: prefill(on_cfg).logits)
     decode_off = _median_time(lambda: generate(model, prompts, new_tokens, use_index_cache=False).tokens)
     decode_on = _median_time(lambda: generate(model, prompts, new_tokens, **dict(on_options, use_index_cache=True)).tokens)
 

@@ -1,0 +1,215 @@
+"""The one seam between requests and the model: the decode state, and the only jitted programs
+that run `model.step` on requests. `generate` and the `Engine` drive them (`StaticEngine` through
+`generate`).
+
+A state (`DecodeState`) holds rows, the rows of a batch or the engine's slots. Each row is at its
+own position (dsv4_jax/model/cache.py). The programs:
+- `prefill`: a chunk of prompt tokens into some rows (every row when `rows` is None; the rows
+  starting a prompt are reset first). Returns each row's token sampled after its chunk: the
+  first token of a row whose prompt ends in it.
+- `decode`: one token into every active row, the next one sampled.
+- `verify`: one draft-then-verify round for every active row (dsv4_jax/runtime/speculative.py);
+  1 to k + 1 tokens each.
+- `decode_loop`, `verify_loop`: `generate`'s whole decode as one program: a `lax.while_loop` over
+  the bodies of `decode` and `verify` until every row is done.
+
+Sampling is per row (`Sampling`). A row's draws depend on its seed and on how many tokens it has
+drawn, never on the rows beside it, so every driver gives a request the same tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.model.cache import put_rows, reset_rows, take_rows
+from dsv4_jax.model.config import ModelConfig
+from dsv4_jax.model.deepseek_v4 import Model, step
+from dsv4_jax.model.mtp import init_mtp_cache
+from . import sampling, speculative
+
+
+class DecodeState(NamedTuple):
+    """The device state of a set of rows: the cache and, with speculation (k drafts a round), the
+    MTP block's cache, the main model's hidden streams at each row's last prompt position so far
+    (`carry` `[R, hc, D]`) and the block's rows still to run (`pending`, speculative.Pending)."""
+
+    cache: dict
+    mtp_cache: dict | None = None
+    carry: jnp.ndarray | None = None
+    pending: speculative.Pending | None = None
+
+
+class Sampling(NamedTuple):
+    """How each row draws its next token: temperature, top_k and top_p `[R]` (`sampling.sample`),
+    its seed (uint32 `[R]`) and the tokens it has drawn so far (int32 `[R]`, its key's counter)."""
+
+    temperature: jnp.ndarray
+    top_k: jnp.ndarray
+    top_p: jnp.ndarray
+    seeds: jnp.ndarray
+    drawn: jnp.ndarray
+
+    @classmethod
+    def rows(cls, n: int, temperature=0.0, top_k=0, top_p=1.0, seeds=0, drawn=0) -> "Sampling":
+        """n rows, each argument a scalar (every row) or `[n]`."""
+        return cls(*(np.broadcast_to(np.asarray(a, dt), (n,)).copy() for a, dt in
+                     ((temperature, np.float32), (top_k, np.int32), (top_p, np.float32), (seeds, np.uint32),
+                      (drawn, np.int32))))
+
+    @property
+    def params(self) -> tuple:
+        return self.temperature, self.top_k, self.top_p
+
+    def keys(self) -> jnp.ndarray:
+        return sampling.row_keys(self.seeds, self.drawn)
+
+    def sample(self, logits: jnp.ndarray) -> jnp.ndarray:
+        """Each row's token int32 `[R]` from its logits fp32 `[R, V]`."""
+        return sampling.sample(logits, self.keys(), *self.params)
+
+
+def new_state(model: Model, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0) -> DecodeState:
+    """An empty state of `rows` rows of up to max_len positions on the model's devices; with k
+    drafts a round, rings k slots wider and the MTP block's state (speculative.py). Committed to
+    the devices, as every program's output is, so that the first call compiles the program the
+    later ones run."""
+    cfg = model.config if cfg is None else cfg
+    state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k))
+    if k:
+        hidden = (rows, k + 1, cfg.hc_mult, cfg.hidden_size)
+        with model.on_mesh():
+            state = state._replace(
+                mtp_cache=init_mtp_cache(cfg, rows, model.dtype, lookahead=k),
+                carry=jnp.zeros(hidden[:1] + hidden[2:], model.dtype),
+                pending=speculative.Pending(jnp.zeros(hidden, model.dtype), jnp.zeros(hidden[:2], jnp.int32),
+                                            jnp.zeros((rows,), jnp.int32)))
+    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
+
+
+@partial(jax.jit, static_argnums=(9,), donate_argnums=(2,))
+def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, fresh, ends, sample: Sampling, cfg: ModelConfig):
+    """A chunk ids `[R, T]` (n_valid `[R]` real tokens per row) into the state's rows `rows` (int
+    `[R]`, run as one sub-batch; None: every row, in place), the rows where `fresh` (bool `[R]`)
+    reset first. With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row
+    whose prompt `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its
+    last prompt position and the token sampled after it. Returns (each row's token sampled after
+    its chunk `[R]`, the state)."""
+    whole = rows is None
+    at = slice(None) if whole else rows
+    sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), fresh)
+    p0 = sub["pos"]
+    out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None)
+    tokens = sample.sample(out.logits[:, 0])
+    state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
+    if mtp is not None:
+        block = state.mtp_cache if whole else reset_rows(take_rows(state.mtp_cache, rows), fresh)
+        block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, out.hidden, ids, p0,
+                                                 n_valid, state.carry[at], cfg)
+        state = state._replace(mtp_cache=block if whole else put_rows(state.mtp_cache, rows, block),
+                               carry=state.carry.at[at].set(carry),
+                               pending=speculative.start(state.pending, at, ends, carry, tokens))
+    return tokens, state
+
+
+def _decode(params, cache: dict, tokens, active, sample: Sampling, cfg: ModelConfig):
+    out = step(params, cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
+    return sample.sample(out.logits[:, 0]), out.cache
+
+
+@partial(jax.jit, static_argnums=(5,), donate_argnums=(1,))
+def decode(params, state: DecodeState, tokens, active, sample: Sampling, cfg: ModelConfig):
+    """Each row's last token `tokens` `[R]` into every `active` row (bool `[R]`; the others hold).
+    Returns (the next token of each row `[R]`, the state)."""
+    tokens, cache = _decode(params, state.cache, tokens, active, sample, cfg)
+    return tokens, state._replace(cache=cache)
+
+
+@partial(jax.jit, static_argnums=(7, 8), donate_argnums=(2,))
+def verify(params, drafter, state: DecodeState, last, active, limit, sample: Sampling, k: int, cfg: ModelConfig):
+    """One round of speculation (speculative.verify_round) for every active row, from its last token
+    `last` `[R]`, keeping at most limit[r] of the k drafts that `drafter` gives. Returns (each row's
+    tokens `[R, k + 1]` (the first kept + 1 are real), kept `[R]`, the state)."""
+    state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, limit, sample, k, cfg)
+    return tokens, kept, state
+
+
+def _stops(tokens: jnp.ndarray, eos: jnp.ndarray) -> jnp.ndarray:
+    return jnp.any(tokens[..., None] == eos, axis=-1)
+
+
+def _first(state: DecodeState, first, buf, done, max_new, eos):
+    """Each row's first token (from the prefill) into buf at its position; (buf, n_gen, done)."""
+    rows = jnp.arange(buf.shape[0])
+    buf = buf.at[rows, jnp.where(done, buf.shape[1], state.cache["pos"])].set(first, mode="drop")
+    n_gen = (~done).astype(jnp.int32)
+    return buf, n_gen, done | _stops(first, eos) | (n_gen >= max_new)
+
+
+@partial(jax.jit, static_argnums=(8,), donate_argnums=(1,))
+def decode_loop(params, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, cfg: ModelConfig):
+    """`generate`'s decode: from each row's first token `first` `[B]` (sampled by `prefill`), feeds
+    each token back and samples the next until every row is done, at one of the stop ids `eos`
+    int32 `[K]` (-1: none) or after max_new tokens.
+
+    buf int32 `[B, max_len]` holds the prompts and receives each row's tokens at their positions;
+    done bool `[B]`: rows that take no part (batch padding). Returns (buf, tokens generated per
+    row, the state)."""
+    rows = jnp.arange(buf.shape[0])
+    buf, n_gen, done = _first(state, first, buf, done, max_new, eos)
+
+    def body(s):
+        cache, tok, buf, n_gen, done = s
+        tok, cache = _decode(params, cache, tok, ~done, sample._replace(drawn=n_gen), cfg)
+        tok = jnp.where(done, 0, tok)
+        buf = buf.at[rows, jnp.where(done, buf.shape[1], cache["pos"])].set(tok, mode="drop")
+        n_gen = n_gen + ~done
+        done = done | _stops(tok, eos) | (n_gen >= max_new)
+        return cache, tok, buf, n_gen, done
+
+    cache, _, buf, n_gen, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body,
+                                                 (state.cache, first, buf, n_gen, done))
+    return buf, n_gen, state._replace(cache=cache)  # returned so that the donated buffers alias it
+
+
+@partial(jax.jit, static_argnums=(9, 10), donate_argnums=(2,))
+def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, k: int,
+                cfg: ModelConfig):
+    """`decode_loop` with speculation: `verify` rounds (k drafts from `drafter`) until every row is
+    done. Returns (buf, tokens generated per row, the counters {rounds, drafts, draft_tokens,
+    accepted_tokens, accepted_per_position `[k]`}, the state)."""
+    max_len = buf.shape[1]
+    rows = jnp.arange(buf.shape[0])[:, None]
+    buf, n_gen, done = _first(state, first, buf, done, max_new, eos)
+    counters = {"rounds": jnp.int32(0), "drafts": jnp.int32(0), "draft_tokens": jnp.int32(0),
+                "accepted_tokens": jnp.int32(0), "accepted_per_position": jnp.zeros((k,), jnp.int32)}
+    i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+    def body(s):
+        state, last, buf, n_gen, done, counters = s
+        active = ~done
+        q = state.cache["pos"]
+        state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, None,
+                                                       sample._replace(drawn=n_gen), k, cfg)
+        emit = jnp.where(active, jnp.minimum(kept + 1, max_new - n_gen), 0)  # the real tokens, within the limit
+        stop = _stops(tokens, eos) & (i < emit[:, None])
+        emit = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, emit)  # through the first stop id
+        buf = buf.at[rows, jnp.where(i < emit[:, None], q[:, None] + 1 + i, max_len)].set(tokens, mode="drop")
+        n_gen = n_gen + emit
+        done = done | jnp.any(stop, axis=1) | (n_gen >= max_new)
+        last = jnp.take_along_axis(tokens, kept[:, None], axis=1)[:, 0]
+        n_active = jnp.sum(active, dtype=jnp.int32)
+        counters = {"rounds": counters["rounds"] + 1, "drafts": counters["drafts"] + n_active,
+                    "draft_tokens": counters["draft_tokens"] + k * n_active,
+                    "accepted_tokens": counters["accepted_tokens"] + jnp.sum(jnp.where(active, kept, 0)),
+                    "accepted_per_position": counters["accepted_per_position"]
+                    + jnp.sum((jnp.arange(k)[None, :] < kept[:, None]) & active[:, None], axis=0, dtype=jnp.int32)}
+        return state, last, buf, n_gen, done, counters
+
+    state, _, buf, n_gen, _, counters = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body,
+                                                           (state, first, buf, n_gen, done, counters))
+    return buf, n_gen, counters, state
