@@ -191,8 +191,9 @@ def test_latencies_match_the_script(server, tmp_path, capsys):
     assert whole["total_token_throughput"] == pytest.approx(78 / whole["duration_s"])
     assert whole["request_throughput"] == pytest.approx(6 / whole["duration_s"])
     # the counters moved by 3 drafts, 6 drafted and 4 accepted tokens per timed request (not the warm-up's)
-    assert report["spec_decode"] == {"metrics_prefix": "dsv4:", "num_drafts": 18.0, "num_draft_tokens": 36.0,
-                                     "num_accepted_tokens": 24.0, "num_accepted_tokens_per_position": [18.0, 6.0],
+    assert report["spec_decode"] == {"metrics_prefix": "dsv4:", "spec_decode_num_drafts": 18.0,
+                                     "spec_decode_num_draft_tokens": 36.0, "spec_decode_num_accepted_tokens": 24.0,
+                                     "spec_decode_num_accepted_tokens_per_pos": [18.0, 6.0],
                                      "acceptance_rate": pytest.approx(24 / 36),
                                      "acceptance_length": pytest.approx(1 + 24 / 18)}
 

@@ -24,7 +24,8 @@ def test_quick_run(tmp_path, capsys):
         right = runs["forced 100%"]
         # every draft kept: k + 1 tokens a round after the prefill's first token
         assert right["rounds"] == math.ceil((n - 1) / (k + 1)) and right["acceptance_rate"] == 1.0
-        assert right["drafts"] == B * right["rounds"] and right["accepted_per_position"] == [B * right["rounds"]] * k
+        assert right["spec_decode_num_drafts"] == B * right["rounds"]
+        assert [right[f"spec_decode_num_accepted_tokens_pos_{i}"] for i in range(k)] == [B * right["rounds"]] * k
         assert right["tokens_per_step_per_row"] == pytest.approx((n - 1) / right["rounds"])
         some = runs["forced 70%"]
         assert right["rounds"] <= some["rounds"] <= n - 1 and 0 < some["acceptance_rate"] < 1

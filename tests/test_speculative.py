@@ -52,7 +52,8 @@ def test_greedy_with_the_block_equals_without(model, prompts, reference, k):
     out = dsv4_jax.generate(model, prompts, 40, eos_token_id=None, speculative_tokens=k)
     assert out.rows() == reference.rows()
     s = out.speculation
-    assert s["draft_tokens"] == k * s["drafts"] and len(s["accepted_per_position"]) == k
+    assert s["spec_decode_num_draft_tokens"] == k * s["spec_decode_num_drafts"]
+    assert [f"spec_decode_num_accepted_tokens_pos_{i}" in s for i in range(k + 1)] == [True] * k + [False]
     assert reference.speculation is None
 
 
@@ -72,10 +73,12 @@ def test_forced_drafts_keep_the_output_and_count_exactly(model, prompts, referen
     assert out.rows() == reference.rows()
     rounds = [-(-(40 - 1) // (j + 1)) for j in right]
     s = out.speculation
-    assert s["rounds"] == max(rounds) and s["drafts"] == sum(rounds) and s["draft_tokens"] == k * sum(rounds)
-    assert s["accepted_tokens"] == sum(r * j for r, j in zip(rounds, right))
-    assert s["accepted_per_position"] == [sum(r for r, j in zip(rounds, right) if j > i) for i in range(k)]
-    assert s["acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
+    assert s["rounds"] == max(rounds) and s["spec_decode_num_drafts"] == sum(rounds)
+    assert s["spec_decode_num_draft_tokens"] == k * sum(rounds)
+    assert s["spec_decode_num_accepted_tokens"] == sum(r * j for r, j in zip(rounds, right))
+    assert [s[f"spec_decode_num_accepted_tokens_pos_{i}"] for i in range(k)] == \
+        [sum(r for r, j in zip(rounds, right) if j > i) for i in range(k)]
+    assert s["acceptance_length"] == pytest.approx(1 + s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_drafts"])
 
 
 def test_eos_inside_kept_drafts_stops_the_row(model, prompts, reference, continuation):

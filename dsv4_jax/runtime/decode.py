@@ -180,13 +180,14 @@ def decode_loop(params, state: DecodeState, first, buf, done, max_new, sample: S
 def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, k: int,
                 cfg: ModelConfig):
     """`decode_loop` with speculation: `verify` rounds (k drafts from `drafter`) until every row is
-    done. Returns (buf, tokens generated per row, the counters {rounds, drafts, draft_tokens,
-    accepted_tokens, accepted_per_position `[k]`}, the state)."""
+    done. Returns (buf, tokens generated per row, the counters: "rounds" (main-model steps), the
+    speculative.SPEC_DECODE_COUNTERS, and "accepted_per_position" `[k]` (drafts whose i-th token
+    was kept), the state)."""
     max_len = buf.shape[1]
     rows = jnp.arange(buf.shape[0])[:, None]
     buf, n_gen, done = _first(state, first, buf, done, max_new, eos)
-    counters = {"rounds": jnp.int32(0), "drafts": jnp.int32(0), "draft_tokens": jnp.int32(0),
-                "accepted_tokens": jnp.int32(0), "accepted_per_position": jnp.zeros((k,), jnp.int32)}
+    counters = {"rounds": jnp.int32(0), **dict.fromkeys(speculative.SPEC_DECODE_COUNTERS, jnp.int32(0)),
+                "accepted_per_position": jnp.zeros((k,), jnp.int32)}
     i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
     def body(s):
@@ -203,9 +204,9 @@ def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, 
         done = done | jnp.any(stop, axis=1) | (n_gen >= max_new)
         last = jnp.take_along_axis(tokens, kept[:, None], axis=1)[:, 0]
         n_active = jnp.sum(active, dtype=jnp.int32)
-        counters = {"rounds": counters["rounds"] + 1, "drafts": counters["drafts"] + n_active,
-                    "draft_tokens": counters["draft_tokens"] + k * n_active,
-                    "accepted_tokens": counters["accepted_tokens"] + jnp.sum(jnp.where(active, kept, 0)),
+        added = (n_active, k * n_active, jnp.sum(jnp.where(active, kept, 0)))
+        counters = {"rounds": counters["rounds"] + 1,
+                    **{name: counters[name] + n for name, n in zip(speculative.SPEC_DECODE_COUNTERS, added)},
                     "accepted_per_position": counters["accepted_per_position"]
                     + jnp.sum((jnp.arange(k)[None, :] < kept[:, None]) & active[:, None], axis=0, dtype=jnp.int32)}
         return state, last, buf, n_gen, done, counters

@@ -48,9 +48,6 @@ from . import decode, speculative
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
 
-# The speculation counters, by vLLM's names (a per-position one beside them, by position).
-SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-
 
 class QueueFull(Exception):
     """`max_queue` requests already wait with no free slot to take them."""
@@ -127,7 +124,7 @@ class Engine:
         self.ids = itertools.count()
         self.counters = collections.Counter()
         if self.k:  # reported from the start, zero until a round runs
-            for name in (*SPEC_DECODE_COUNTERS, *(f"spec_decode_num_accepted_tokens_pos_{i}" for i in range(self.k))):
+            for name in (*speculative.SPEC_DECODE_COUNTERS, *map(speculative.accepted_at, range(self.k))):
                 self.counters[name] = 0
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -272,11 +269,11 @@ class Engine:
         c = self.counters
         for r in generating:
             j = int(kept[r.slot])
-            c["spec_decode_num_drafts"] += 1
-            c["spec_decode_num_draft_tokens"] += r.speculative_tokens
-            c["spec_decode_num_accepted_tokens"] += j
+            c[speculative.NUM_DRAFTS] += 1
+            c[speculative.NUM_DRAFT_TOKENS] += r.speculative_tokens
+            c[speculative.NUM_ACCEPTED_TOKENS] += j
             for i in range(j):
-                c[f"spec_decode_num_accepted_tokens_pos_{i}"] += 1
+                c[speculative.accepted_at(i)] += 1
             for t in tokens[r.slot, : j + 1]:
                 self._emit(r, int(t))
                 if r.done:

@@ -267,10 +267,9 @@ def run_request(model: Model, cfg: ModelConfig, req: Request, drafter=None) -> G
 
 
 def speculation_stats(counters: dict) -> dict:
-    """A speculative run's counters (`decode.verify_loop`) with the acceptance figures:
-    acceptance_rate = accepted / draft tokens, acceptance_length = 1 + accepted / drafts (tokens
-    per main-model step of a row), accepted_per_position[i] = drafts whose draft i was kept."""
+    """A speculative run's counters (`decode.verify_loop`) by the names the engine and the server
+    use (speculative.SPEC_DECODE_COUNTERS, `accepted_at(i)`), with "rounds" (main-model steps) and
+    the acceptance figures (`speculative.acceptance`)."""
     c = {k: np.asarray(v).tolist() for k, v in counters.items()}
-    c["acceptance_rate"] = c["accepted_tokens"] / max(c["draft_tokens"], 1)
-    c["acceptance_length"] = 1 + c["accepted_tokens"] / max(c["drafts"], 1)
-    return c
+    c.update({speculative.accepted_at(i): n for i, n in enumerate(c.pop("accepted_per_position"))})
+    return {**c, **speculative.acceptance(*(c[name] for name in speculative.SPEC_DECODE_COUNTERS))}

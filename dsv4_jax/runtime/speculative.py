@@ -39,6 +39,26 @@ from dsv4_jax.model.mtp import mtp_step
 from . import sampling
 
 
+# What a run of speculation counts, by vLLM's names, the same in `generate`'s `speculation`, the
+# Engine's stats, `/metrics` (under `dsv4:`) and dsv4-bench-serve's report: drafts proposed (one a
+# round per row), draft tokens proposed, draft tokens kept, and (`accepted_at(i)`) drafts whose
+# i-th token was kept.
+NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS = (
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+SPEC_DECODE_COUNTERS = (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS)
+
+
+def accepted_at(i: int) -> str:
+    return f"{NUM_ACCEPTED_TOKENS}_pos_{i}"
+
+
+def acceptance(drafts: float, draft_tokens: float, accepted: float) -> dict:
+    """acceptance_rate = accepted / draft tokens; acceptance_length = 1 + accepted / drafts, the
+    tokens a row gets per main-model step (None where nothing was drafted)."""
+    return {"acceptance_rate": accepted / draft_tokens if draft_tokens > 0 else None,
+            "acceptance_length": 1 + accepted / drafts if drafts > 0 else None}
+
+
 class Pending(NamedTuple):
     """The block's rows a sequence has yet to run: the main model's positions pos - n .. pos - 1
     (the block is at pos - n), each with the main model's hidden streams there and the token after."""

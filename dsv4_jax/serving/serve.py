@@ -71,7 +71,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError
-from dsv4_jax.runtime.engine import SPEC_DECODE_COUNTERS, Engine, QueueFull, StaticEngine
+from dsv4_jax.runtime.engine import Engine, QueueFull, StaticEngine
+from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS
 from .chat import ChatError, ChatFormat, load_chat_format
 from .http import APIError, Gate, error_response, protocol
 from .tokenization import ServerTokenizer, TextOutput, surrogate_message

@@ -56,7 +56,7 @@ import time
 import numpy as np
 
 from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError
-from dsv4_jax.runtime.engine import SPEC_DECODE_COUNTERS
+from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS, acceptance
 
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"  # labelled by position
 METRIC_PREFIXES = ("dsv4:", "vllm:")
@@ -404,13 +404,10 @@ def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     delta = {k: after[k] - before.get(k, 0.0) for k in SPEC_DECODE_COUNTERS}
-    drafts, drafted, accepted = (delta[k] for k in SPEC_DECODE_COUNTERS)
     positions = sorted(after.get("per_position", {}))
     per_position = [after["per_position"][i] - before.get("per_position", {}).get(i, 0.0) for i in positions]
-    return {"metrics_prefix": after["prefix"], "num_drafts": drafts, "num_draft_tokens": drafted,
-            "num_accepted_tokens": accepted, "num_accepted_tokens_per_position": per_position,
-            "acceptance_rate": accepted / drafted if drafted > 0 else None,
-            "acceptance_length": 1 + accepted / drafts if drafts > 0 else None}
+    return {"metrics_prefix": after["prefix"], **delta, PER_POSITION: per_position,
+            **acceptance(*(delta[k] for k in SPEC_DECODE_COUNTERS))}
 
 
 async def _scrape(client, root: str) -> dict | None:

@@ -102,7 +102,7 @@ def run(quick: bool = False, k: int = 3, batches=None, prompt_len=None, new_toke
             assert res.rows() == base.rows(), f"{name}: speculation changed the greedy output"
             s = res.speculation
             runs[name] = {"seconds": t, "runs_s": ts, "tokens_per_s": B * n / t, "main_model_steps": s["rounds"],
-                          "tokens_per_step_per_row": (B * n - B) / s["drafts"], **s,
+                          "tokens_per_step_per_row": (B * n - B) / s[speculative.NUM_DRAFTS], **s,
                           "speedup": runs["no speculation"]["seconds"] / t}
         out["batches"][str(B)] = runs
     out["notes"] = [
