@@ -26,7 +26,7 @@ from pallas_kernels._dispatch import dispatch
 from pallas_kernels.numerics import apply_rope, rms_norm, unweighted_rms_norm
 from . import xla_cpu
 from .config import ModelConfig
-from .layer_kinds import CSA
+from .layer_kinds import BY_RATIO, CSA
 from .indexer import indexer_scores, select_topk
 from .layer_weights import LayerSlice, own_weight, with_weight
 from .linear import dense, weight_array
@@ -139,7 +139,7 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
-    coff = 2 if ratio == CSA else 1
+    coff = 2 if BY_RATIO[ratio].overlap else 1
     n = (T + ratio - 1) // ratio
     xf = x.astype(jnp.float32)
     pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)

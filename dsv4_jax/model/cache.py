@@ -111,7 +111,6 @@ def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat
             return int(np.prod(s[0], dtype=np.int64)) * jnp.dtype(s[1]).itemsize
         return sum(size(v) for v in s.values())
 
-    out = {kind: size(spec.get(kind, {})) for kind in ("window", "csa", "hca")}
-    out["csa"] += size(spec.get("indexer", {}))
+    out = {k.name: size(spec.get(k.name, {})) + (size(spec.get("indexer", {})) if k.indexer else 0) for k in KINDS}
     out["total"] = sum(out.values())
     return out

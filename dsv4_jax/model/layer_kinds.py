@@ -36,4 +36,3 @@ KINDS = (LayerKind("window", 0, "sliding_attention", overlap=False, indexer=Fals
 WINDOW, CSA, HCA = (k.ratio for k in KINDS)
 COMPRESSED = tuple(k for k in KINDS if k.ratio)
 BY_RATIO = {k.ratio: k for k in KINDS}
-BY_NAME = {k.name: k for k in KINDS}

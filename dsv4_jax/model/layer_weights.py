@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .layer_kinds import COMPRESSED
 from .quantized import QuantizedWeight, blocks_divide
 
 # Matmul weights (named w*, shared_w*, and the hyper-connections' fn) whose per-layer slice has
@@ -38,7 +39,7 @@ MIN_ELEMENTS = 1 << 15
 # Larger models keep their experts stacked and gather the chosen ones.
 MAX_EXPERT_BUFFERS = 1024
 ROUTED = ("w1", "w2", "w3")  # the routed experts' weights, `[L, E, ...]` in params["layers"]["ffn"]
-STACKS = ("layers", "csa", "hca")  # the params subtrees stacked over (kind-local) layers
+STACKS = ("layers", *(k.name for k in COMPRESSED))  # the params subtrees stacked over (kind-local) layers
 
 
 @struct.dataclass
