@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax
-from dsv4_jax.model.deepseek_v4 import Model
+from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.params import cast_params
 from hf_oracle import FLASH_SHAPED
 
@@ -20,11 +20,11 @@ from hf_oracle import FLASH_SHAPED
 def test_bf16_close_to_fp32():
     cfg = dsv4_jax.ModelConfig.from_hf(FLASH_SHAPED)
     params = dsv4_jax.init_params(cfg, seed=3)
-    m16 = Model(cast_params(params, cfg, jnp.bfloat16), cfg)
+    m16 = DeepseekV4(cast_params(params, cfg, jnp.bfloat16), cfg)
     assert m16.params["layers"]["attn"]["wq_a"].dtype == jnp.bfloat16
     assert m16.params["layers"]["hc_attn"]["fn"].dtype == jnp.float32
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 140))
-    a, b = np.asarray(Model(params, cfg)(ids)), np.asarray(m16(ids))
+    a, b = np.asarray(DeepseekV4(params, cfg)(ids)), np.asarray(m16(ids))
     assert b.dtype == np.float32 and np.isfinite(b).all()
     rel = np.abs(a - b).max(axis=(0, 2)) / np.abs(a).max()
     print(f"bf16 vs fp32: median {np.median(rel):.4f}, max {rel.max():.4f}")

@@ -79,7 +79,7 @@ def test_hybrid_naming_loads_the_same(ckpt, params):
     _rewrite(ckpt, lambda shard, t: {rename(n): a for n, a in t.items()})
     ids = np.arange(20).reshape(1, 20)
     np.testing.assert_array_equal(np.asarray(dsv4_jax.load(ckpt)(ids)),
-                                  np.asarray(dsv4_jax.Model(params, CFG)(ids)))
+                                  np.asarray(dsv4_jax.DeepseekV4(params, CFG)(ids)))
 
 
 def test_mtp_tensors_are_recognised(ckpt, caplog):

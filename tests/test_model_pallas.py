@@ -11,8 +11,8 @@ import hf_oracle as H
 def test_pallas_path_matches_reference():
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED).replace(index_topk=8)  # head_dim 512, index dim 128
     params = dsv4_jax.init_params(cfg, seed=4, std=0.1)
-    ref = dsv4_jax.Model(params, cfg.replace(attention_impl="ref"))
-    pal = dsv4_jax.Model(params, cfg.replace(attention_impl="pallas"))
+    ref = dsv4_jax.DeepseekV4(params, cfg.replace(attention_impl="ref"))
+    pal = dsv4_jax.DeepseekV4(params, cfg.replace(attention_impl="pallas"))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, 40))
     a, b = np.asarray(ref(ids)), np.asarray(pal(ids))
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()

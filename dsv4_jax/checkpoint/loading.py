@@ -13,7 +13,8 @@ import numpy as np
 
 from dsv4_jax.model import mtp, sharding as sh
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import Model, with_options
+from dsv4_jax.model.blocks import MTPBlock
+from dsv4_jax.model.deepseek_v4 import DeepseekV4, with_options
 from dsv4_jax.model.params import _get, leaf_dtype, map_spec, param_spec
 from dsv4_jax.model.quantized import QuantizedWeight, storage_shapes
 from dsv4_jax.model.sharding import matrix_axes
@@ -43,7 +44,7 @@ def is_converted(path: str | os.PathLike) -> bool:
 
 def load(path: str | os.PathLike, dtype=jnp.float32,
          sharding: jax.sharding.Sharding | Callable[[str, tuple], jax.sharding.Sharding] | None = None,
-         mesh: jax.sharding.Mesh | None = None, layout=None, mtp: bool = False, **options) -> Model:
+         mesh: jax.sharding.Mesh | None = None, layout=None, mtp: bool = False, **options) -> DeepseekV4:
     """Loads the model in `path`: either a directory written by `dsv4-convert` (config.json plus
     the Orbax checkpoint `params/`, restored through Orbax), or an HF checkpoint directory holding `config.json` and
     safetensors (single file or sharded with `model.safetensors.index.json`; official or
@@ -62,7 +63,8 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     dsv4_jax/model/sharding.py, default "dp_attention", or a `sharding.Layout`; quantized weights split
     like their float forms), and the returned model's programs run on that mesh.
     `mtp=True` also loads the checkpoint's MTP block (`load_mtp_params`, on the mesh's devices
-    under the layout like a main layer) into `Model.mtp`, for speculative decoding.
+    under the layout like a main layer) into `model.mtp` (a `blocks.MTPBlock`), for speculative
+    decoding. The model is a Flax NNX module (`DeepseekV4`; docs/design.md).
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -85,25 +87,26 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
         block = load_mtp_params(path, dtype)
         if mesh is not None:
             block = jax.device_put(block, sh.mtp_shardings(block, mesh, cfg.layout))
-        model = model.replace(mtp=block)
-    return model if mesh is None else model.replace(mesh=mesh)
+        model.mtp = MTPBlock(block)
+    model.mesh = mesh
+    return model
 
 
-def _load(path: str, cfg: ModelConfig, dtype, sharding) -> Model:
+def _load(path: str, cfg: ModelConfig, dtype, sharding) -> DeepseekV4:
     if is_converted(path):
-        return Model(params=_restore(path, cfg, dtype, sharding), config=cfg)
+        return DeepseekV4(_restore(path, cfg, dtype, sharding), config=cfg)
     if _converted_config(path):
         raise _damaged(f"{os.path.join(path, PARAMS_DIR)} is missing: {path} is an incomplete dsv4-convert output; "
                        f"convert it again")
 
     params, _mtp = read_hf_checkpoint(path, cfg, dtype)
     if sharding is None:
-        return Model(params=jax.tree.map(jnp.asarray, params), config=cfg)
+        return DeepseekV4(jax.tree.map(jnp.asarray, params), config=cfg)
 
     def put(p, x):
         return jax.device_put(x, _sharding_of(sharding, jax.tree_util.keystr(p, simple=True, separator="."), x.shape))
 
-    return Model(params=jax.tree_util.tree_map_with_path(put, params), config=cfg)
+    return DeepseekV4(jax.tree_util.tree_map_with_path(put, params), config=cfg)
 
 
 def _sharding_of(sharding, name: str, shape) -> jax.sharding.Sharding:

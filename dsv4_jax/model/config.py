@@ -74,8 +74,9 @@ class ModelConfig:
     max_position_embeddings: int = 1048576
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
-    # How the compressor and the sparse attention run: "pallas" (the kernels; interpreted on
-    # CPU), "ref" (plain JAX) or "auto" (kernels on TPU/GPU, plain JAX elsewhere).
+    # How the kernels (sparse attention, compressor, hyper-connections, quantized linears, routed
+    # experts) run: "pallas" (the kernels; interpreted on CPU), "ref" (plain JAX, differentiable:
+    # what fine-tuning needs) or "auto" (kernels on TPU/GPU, plain JAX elsewhere).
     attention_impl: str = "auto"
     # How expert parallelism moves tokens between devices (dsv4_jax/model/moe.py,
     # `routed_experts_on_mesh`): "all_gather" (every device gathers the tokens, the outputs are

@@ -19,11 +19,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx
 
 from pallas_kernels.numerics import rms_norm
 from . import attention, sharding
 from .cache import indexer_state_layers, init_cache
+from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
 from .config import ModelConfig
 from .layer_kinds import BY_RATIO, CSA, HCA, KINDS, WINDOW
 from .hyper_connection import hc_head, hc_post, hc_pre
@@ -93,7 +94,7 @@ def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, r
         routed = routed_experts_on_mesh(xt, experts, weights, *routed_weights, cfg.swiglu_limit, cfg)
     else:
         routed = routed_experts(xt, experts, weights, *routed_weights, cfg.swiglu_limit,
-                                fp8_activations=cfg.fp8_activations)
+                                fp8_activations=cfg.fp8_activations, impl=cfg.attention_impl)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
     return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
 
@@ -396,18 +397,34 @@ def with_options(cfg: ModelConfig, **options) -> ModelConfig:
     return cfg.replace(**changes) if changes else cfg
 
 
-@struct.dataclass
-class Model:
-    """A DeepSeek-V4 model: `logits = model(input_ids)` for int32 `[B, S]` -> fp32 `[B, S, V]`.
+class DeepseekV4(Block):
+    """A DeepSeek-V4 model as a Flax NNX module: `logits = model(input_ids)` for int32 `[B, S]` ->
+    fp32 `[B, S, V]`. Its blocks (dsv4_jax/model/blocks.py) hold the weights under the names of the
+    parameter tree, so `nnx.state(model)` is the checkpoint and `model.params` the tree the jitted
+    programs take (`step`, dsv4_jax/runtime/decode.py), read once per call, not per step.
 
     On a device mesh (`load(..., mesh=)`), `mesh` is set, `config.layout` says where every array
     lives (dsv4_jax/model/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`. With
-    `load(..., mtp=True)`, `mtp` holds the checkpoint's MTP block (speculative decoding)."""
+    `load(..., mtp=True)` (or `mtp=` a block's parameter tree), `mtp` holds the checkpoint's MTP
+    block (speculative decoding)."""
 
-    params: dict
-    config: ModelConfig = struct.field(pytree_node=False)
-    mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
-    mtp: dict | None = None  # the MTP block's parameters (dsv4_jax/model/mtp.py), for speculative decoding
+    PARTS = {"hc_head": HyperConnection, "layers": DecoderLayers, "csa": CompressedLayers,
+             "hca": CompressedLayers}
+
+    def __init__(self, params: dict, config: ModelConfig, mesh: jax.sharding.Mesh | None = None,
+                 mtp: dict | None = None):
+        super().__init__(params)
+        self.config = config
+        self.mesh = mesh
+        self.mtp = nnx.data(None if mtp is None else MTPBlock(mtp))  # a sub-module, also when set later
+
+    @property
+    def params(self) -> dict:
+        """The main model's weights as the plain parameter tree (dsv4_jax/model/params.py), the MTP
+        block's apart (`model.mtp.params`)."""
+        tree = super().params
+        tree.pop("mtp", None)
+        return tree
 
     def __call__(self, input_ids) -> jnp.ndarray:
         ids = np.asarray(input_ids, np.int32)
@@ -446,7 +463,10 @@ class Model:
 
     @property
     def dtype(self):
-        return self.params["embed"].dtype
+        return self.embed.get_value().dtype
+
+
+Model = DeepseekV4  # TEMPORARY until the request branch merges
 
 
 @partial(jax.jit, static_argnums=2)

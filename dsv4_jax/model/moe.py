@@ -74,7 +74,7 @@ def fp8_rounded(x: jnp.ndarray, fp8_activations: bool) -> jnp.ndarray:
 
 
 def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w1, w2, w3, limit: float,
-                   layer=None, first_expert=None, fp8_activations: bool = False) -> jnp.ndarray:
+                   layer=None, first_expert=None, fp8_activations: bool = False, impl: str = "auto") -> jnp.ndarray:
     """Sum over each token's chosen experts of weight * expert(x).
 
     x `[T, D]`; experts int `[T, k]`; weights fp32 `[T, k]`; w1/w3 `[E, I, D]`, w2 `[E, D, I]`:
@@ -87,7 +87,8 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
     Returns fp32 `[T, D]`. The (token, slot) pairs are sorted by expert into groups that
     `pallas_kernels.grouped_matmul` multiplies by their experts' stored weights (`_grouped`;
     on CPU `xla_cpu.routed_experts`): the work is T*k rows, never all experts for every token.
-    fp8_activations: as for `expert`.
+    fp8_activations: as for `expert`; impl: `pallas_kernels.grouped_matmul`'s (a model's
+    `attention_impl`: "ref" runs no kernel, so the experts can be differentiated).
     """
     if isinstance(w1, LayerSlice):
         w1, w2, w3, layer = w1.stack, w2.stack, w3.stack, w1.index
@@ -96,9 +97,12 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
         return expert(x, w1, w2, w3, limit, hw, fp8_activations=fp8_activations).astype(jnp.float32)
 
     pairs = dict(layer=layer, first_expert=first_expert)
+    grouped = partial(_grouped, limit=limit, fp8_activations=fp8_activations, impl=impl, **pairs)
+    if impl == "ref":  # the plain-JAX twins on every platform (XLA:CPU's loop has no reverse mode)
+        return grouped(x, experts, weights, w1, w2, w3)
     return xla_cpu.choose(x, experts, weights, w1, w2, w3,
                           cpu=partial(xla_cpu.routed_experts, ffn=ffn, sorted_pairs=_sorted_pairs, **pairs),
-                          device=partial(_grouped, limit=limit, fp8_activations=fp8_activations, **pairs))
+                          device=grouped)
 
 
 ROUTED_SCOPE = "routed_experts"
@@ -118,14 +122,15 @@ def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
 
 
 def _grouped(x, experts, weights, w1, w2, w3, *, limit, layer=None, first_expert=None,
-             fp8_activations=False) -> jnp.ndarray:
+             fp8_activations=False, impl="auto") -> jnp.ndarray:
     """`routed_experts` by grouped products (`_pair_outputs`), each token's pairs summed in fp32."""
     T, k = experts.shape
-    y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations)
+    y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations, impl)
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
 
 
-def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False):
+def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False,
+                  impl="auto"):
     """The output of each (token, expert) pair of x `[T, D]` and experts `[T, k]`: the pairs' rows
     sorted by expert, each group's rows multiplied by its expert's stored weights, read once per
     chosen expert (none for an expert no row chose); products in the weights' compute dtype as
@@ -140,7 +145,7 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
         # (the scope names these calls in the compiled program: dsv4-plan counts the experts
         # that uniform routing chooses in place of the kernel's declared bound, ROUTED_SCOPE)
         with jax.named_scope(ROUTED_SCOPE):
-            return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer)
+            return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer, impl=impl)
 
     xs = fp8_rounded(x[order // experts.shape[1]], fp8_activations)
     h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
@@ -198,13 +203,12 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     mesh, layout = active(cfg), cfg.layout
     ep, mlp, batch = (layout.axes(a, mesh) for a in (EXPERTS, EXPERT_MLP, BATCH))
     summed = tuple(a for a in ep + mlp if a not in batch)
-    fp8 = cfg.fp8_activations
-    gathered = partial(_gathered, limit=limit, ep=ep, gather=tuple(a for a in batch if a in ep + mlp),
-                       fp8_activations=fp8)
+    kw = dict(limit=limit, ep=ep, fp8_activations=cfg.fp8_activations, impl=cfg.attention_impl)
+    gathered = partial(_gathered, gather=tuple(a for a in batch if a in ep + mlp), **kw)
 
     def local(*args):
         if expert_exchange(cfg, mesh) == "ragged_all_to_all":
-            exchanged = partial(_exchanged, limit=limit, ep=ep, fp8_activations=fp8)
+            exchanged = partial(_exchanged, **kw)
             y = xla_cpu.choose(*args, cpu=gathered, device=exchanged)
         else:
             y = gathered(*args)
@@ -216,7 +220,7 @@ def routed_experts_on_mesh(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.nd
     return run(x, experts, weights, w1.stack, w2.stack, w3.stack, w1.index)
 
 
-def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_activations) -> jnp.ndarray:
+def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_activations, impl) -> jnp.ndarray:
     """Per device: gathers the tokens (x `[T, D]` and their routing) of the devices on the
     `gather` axes, runs the pairs that chose its own experts (the stacks' local share, on its
     slice of their width) and reduce-scatters the fp32 outputs back to the tokens' devices."""
@@ -224,11 +228,11 @@ def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_
         x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
     first = jax.lax.axis_index(ep) * w1.shape[1] if ep else 0
     y = routed_experts(x, experts, weights, w1, w2, w3, limit, layer=layer, first_expert=first,
-                       fp8_activations=fp8_activations)
+                       fp8_activations=fp8_activations, impl=impl)
     return jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True) if gather else y
 
 
-def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activations) -> jnp.ndarray:
+def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activations, impl) -> jnp.ndarray:
     """Per device: sends each of its (token, expert) pairs (the token's row of x `[T, D]`, the
     expert id and routing weight) to the device on the `ep` axes that holds the expert, runs the
     pairs it receives (`_pair_outputs`, one row per pair) and sends each pair's output back, where the
@@ -263,7 +267,7 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
             return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], count[:, me], axis_name=ep)
 
         y, by_expert = _pair_outputs(there(xs, 0), there(es, -1)[:, None], there(hw, 0)[:, None], w1, w2, w3,
-                                     limit, layer, me * local_experts, fp8_activations)
+                                     limit, layer, me * local_experts, fp8_activations, impl)
         # each pair's output back where it was sent from, in the order it came (a gather by the
         # inverse of the expert order)
         y = y[jnp.argsort(by_expert)]

@@ -113,7 +113,7 @@ class Engine:
                              f"({prefill_chunk})")
         self.max_queue = max_queue
         self.k = speculative_tokens
-        self.mtp = model.mtp if self.k else None  # the block's rows run in prefill only with speculation
+        self.mtp = model.mtp.params if self.k else None  # the block's rows run in prefill only with speculation
         self.state = self._new_state()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request

@@ -244,7 +244,7 @@ def run_request(model: Model, cfg: ModelConfig, req: Request, drafter=None) -> G
     sample = decode.Sampling.rows(Bb, req.temperature, req.top_k, req.top_p, (req.seed + np.arange(Bb)) % 2 ** 32)
     done, max_new, eos = np.arange(Bb) >= B, np.int32(req.max_new_tokens), _eos_ids(req.eos)
     k = req.speculative_tokens
-    mtp = model.mtp if k else None
+    mtp = model.mtp.params if k else None
     state = decode.new_state(model, Bb, req.max_len, cfg, k)
     with model.on_mesh():
         first = jnp.zeros((Bb,), jnp.int32)  # each row's first token, from the chunk its prompt ends in

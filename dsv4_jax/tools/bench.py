@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import Model
+from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from dsv4_jax.runtime import compile_cache
 from dsv4_jax.runtime import decode
@@ -162,7 +162,7 @@ def _prefill_all(params, cfg, ids: np.ndarray, max_len: int):
     first token, the state)."""
     params = unstack_layers(params)
     B = ids.shape[0]
-    state = decode.new_state(Model(params, cfg), B, max_len)
+    state = decode.new_state(DeepseekV4(params, cfg), B, max_len)
     for chunk, n, _ in prefill_chunks(ids, np.full(B, ids.shape[1], np.int32)):
         first, state = decode.prefill(params, None, state, None, chunk, n, None, None, decode.Sampling.rows(B), cfg)
     return first, state
@@ -187,7 +187,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     max_len = -(-(S + 1) // 128) * 128
     ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
     chunks = [T for T, _ in prefill_plan([S])]
-    one, model = np.ones(1, np.int32), Model(split, cfg)
+    one, model = np.ones(1, np.int32), DeepseekV4(split, cfg)
     out["compile_s"]["prefill"] = {
         str(c): _compile_seconds(decode.prefill, split, None, decode.new_state(model, 1, max_len), None,
                                  jnp.zeros((1, c), i32), one, None, None, decode.Sampling.rows(1), cfg)

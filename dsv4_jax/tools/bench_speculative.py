@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import Model
+from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.mtp import init_mtp_params
 from dsv4_jax.model.params import init_params
 from dsv4_jax.runtime import speculative
@@ -81,7 +81,7 @@ def run(quick: bool = False, k: int = 3, batches=None, prompt_len=None, new_toke
     sizes.update({n: v for n, v in dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,
                                         repeats=repeats).items() if v is not None})
     cfg = TINY if quick else ModelConfig.from_hf(FLASH_MINI)
-    model = Model(init_params(cfg, seed=0, std=0.05), cfg, mtp=init_mtp_params(cfg, seed=1, std=0.05))
+    model = DeepseekV4(init_params(cfg, seed=0, std=0.05), cfg, mtp=init_mtp_params(cfg, seed=1, std=0.05))
     rng = np.random.default_rng(0)
     out: dict = {"model": "tiny" if quick else "flash-mini", "k": k, "sizes": sizes, "dtype": "float32",
                  "env": {"jax": jax.__version__, "backend": jax.default_backend()}, "batches": {}}

@@ -37,7 +37,7 @@ from dsv4_jax.checkpoint.loading import load
 from dsv4_jax.model.cache import init_cache
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.layer_kinds import CSA
-from dsv4_jax.model.deepseek_v4 import Model, step, with_options
+from dsv4_jax.model.deepseek_v4 import DeepseekV4, step, with_options
 from dsv4_jax.model.index_cache import index_cache_schedule
 from dsv4_jax.runtime import compile_cache
 from dsv4_jax.runtime.generate import generate, validate_request
@@ -59,7 +59,7 @@ def choosing_positions(start: int, stop: int, index_topk: int) -> int:
     return max(0, stop - max(start, first))
 
 
-def report(model: Model, prompts: list[list[int]], new_tokens: int, **on_options) -> dict:
+def report(model: DeepseekV4, prompts: list[list[int]], new_tokens: int, **on_options) -> dict:
     off_cfg = with_options(model.config, use_index_cache=False)
     on_cfg = with_options(model.config, use_index_cache=True, **on_options)
     sched = index_cache_schedule(on_cfg)
