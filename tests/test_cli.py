@@ -226,8 +226,8 @@ def test_bench_out_checked_first(tmp_path, monkeypatch, capsys):
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
     (["--prompts", "[]"], "prompts is empty"),
-    (["--prompts", "[[]]"], "prompt 0 is empty"),
-    (["--prompts", "[[1, 2], [3, 96]]"], r"prompt 1 holds token id 96 outside the vocabulary \[0, 96\)"),
+    (["--prompts", "[[]]"], "prompt is empty"),
+    (["--prompts", "[[1, 2], [3, 96]]"], r"prompt\[1\]: token id 96 is outside the vocabulary \[0, 96\)"),
     (["--prompts", "[1, 2]"], "flat list of integers"),
     (["--prompts", "[[1, 2], [3]]"], r"prompts must have one length"),
 ])

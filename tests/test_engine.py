@@ -197,3 +197,23 @@ def test_static_engine_runs_whole_batches_through_generate(model, alone):
     want = alone(prompts[1], 12)
     assert first[1].tokens == want[: want.index(stop) + 1] and first[1].finish_reason == "stop"
     assert later.tokens == alone(prompts[2], 6) and len(eng.free) == 2
+
+
+def test_static_engine_runs_each_request_with_its_own_sampling(model):
+    """One static batch of a greedy request and a sampled one, each with its own stop id: each
+    request gets the tokens generate gives it alone with its own settings (temperature, top_k,
+    top_p, seed and stop ids), not those of the batch's first request."""
+    from dsv4_jax.runtime.engine import StaticEngine
+
+    rng = np.random.default_rng(5)
+    V = model.config.vocab_size
+    prompts = [list(map(int, rng.integers(0, V, n))) for n in (9, 21)]
+    asks = [dict(), dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)]
+    free = [dsv4_jax.generate(model, [p], 12, **a).rows()[0] for p, a in zip(prompts, asks)]
+    stops = [free[0][7], free[1][4]]
+    eng = StaticEngine(model, slots=2, max_len=MAX_LEN)
+    reqs = [eng.submit(p, 12, stop_token_ids=[s], **a) for p, a, s in zip(prompts, asks, stops)]
+    assert eng.step() and all(r.done for r in reqs)
+    for r, p, a, s in zip(reqs, prompts, asks, stops):
+        assert r.tokens == dsv4_jax.generate(model, [p], 12, eos_token_id=s, **a).rows()[0]
+        assert r.finish_reason == "stop" and r.tokens[-1] == s

@@ -32,6 +32,7 @@ from convert.cli import convert
 from dsv4_jax.tools import bench_serve
 from dsv4_jax.serving import chat, serve, tokenization
 from dsv4_jax.runtime.compile_cache import CompileCounter
+from dsv4_jax.runtime.request import RequestError
 from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,6 +249,7 @@ BAD = [  # (endpoint, body: a dict or raw text, status, param, message pattern)
      rf"maximum context length is {MAX_LEN} tokens\. However, you requested {MAX_LEN + 1} tokens \(10 in the messages"),
     ("chat", {"messages": [{"role": "user", "content": "a" * 200}]}, 400, "messages", "maximum context length"),
     ("completions", {"prompt": [1, 512]}, 400, "prompt", r"token id 512 is outside the vocabulary \[0, 512\)"),
+    ("completions", {"prompt": [[1, 2], [1, 512]]}, 400, "prompt[1]", r"^prompt\[1\]: token id 512 is outside"),
     ("completions", {"prompt": "x", "stop_token_ids": [600]}, 400, "stop_token_ids", "outside the vocabulary"),
     ("completions", {"prompt": "x", "n": 2}, 400, "n", "'n' is not supported"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs", "not supported"),
@@ -287,6 +289,36 @@ def test_bad_request(live, case):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["param"] == param
     assert re.search(message, err["message"]), err["message"]
+
+
+# (prompt, max_tokens, sampling, the field at fault): each refused by the shared checks of
+# dsv4_jax/runtime/request.py
+SAME_WORDING = [
+    ([5] * 10, MAX_LEN - 9, {}, "max_tokens"),
+    ([5] * MAX_LEN, 1, {}, "prompt"),
+    ([1, 512], 4, {}, "prompt"),
+    ([5, 6], 4, {"top_p": 0.0}, "top_p"),
+    ([5, 6], 4, {"top_k": 513}, "top_k"),
+    ([5, 6], 4, {"temperature": -1.0}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("prompt, max_tokens, sampling, param", SAME_WORDING,
+                         ids=[f"{c[3]}-{i}" for i, c in enumerate(SAME_WORDING)])
+def test_generate_the_engine_and_the_server_refuse_in_one_wording(live, prompt, max_tokens, sampling, param):
+    """A bad request gets the same message from generate (its cache as long as the server's
+    slots), from Engine.submit and from the server, where it is a 400 naming the same field
+    (generate's own name for max_tokens is max_new_tokens)."""
+    with pytest.raises(RequestError) as by_generate:
+        dsv4_jax.generate(live.engine.model, [prompt], max_tokens, max_len=MAX_LEN, **sampling)
+    with pytest.raises(RequestError) as by_engine:
+        live.engine.submit(prompt, max_tokens, **sampling)
+    r = live.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **sampling})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert str(by_generate.value) == str(by_engine.value) == err["message"]
+    assert by_engine.value.param == err["param"] == param
+    assert by_generate.value.param == {"max_tokens": "max_new_tokens"}.get(param, param)
 
 
 def test_server_serves_after_bad_requests_and_openai_client_errors(live, setup):

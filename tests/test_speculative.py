@@ -13,7 +13,8 @@ import pytest
 
 import dsv4_jax
 from convert.cli import main as convert_main
-from dsv4_jax.runtime.generate import run_request, validate_request
+from dsv4_jax.runtime.generate import run_request
+from dsv4_jax.runtime.request import validate_request
 from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 from dsv4_jax.runtime.speculative import accept
 from dsv4_jax.tools.bench_speculative import ForcedDrafts
@@ -124,7 +125,8 @@ def test_bad_speculative_requests(model, prompts):
         dsv4_jax.generate(model, prompts, 4, speculative_tokens=9)
     with pytest.raises(TypeError, match="speculative_tokens must be an integer"):
         dsv4_jax.generate(model, prompts, 4, speculative_tokens=1.5)
-    with pytest.raises(ValueError, match=r"\+ speculative_tokens \(4\) = 158 exceeds max_len=156"):
+    with pytest.raises(ValueError, match=r"length is 156 tokens\. However, you requested 158 tokens \(150 in the "
+                                         r"messages, 4 in the completion, 4 for speculative decoding\)"):
         dsv4_jax.generate(model, prompts, 4, speculative_tokens=4, max_len=156)
     plain = dsv4_jax.Model(model.params, model.config)
     with pytest.raises(ValueError, match="needs the checkpoint's MTP block"):
@@ -161,7 +163,7 @@ def test_engine_speculates_per_request(model, prompts, alone_in_chunks_of_16):
         assert r.tokens == alone_in_chunks_of_16(r.prompt, 30)
     s = eng.stats()
     assert s["spec_decode_num_draft_tokens"] <= 3 * s["spec_decode_num_drafts"] and s["spec_decode_num_drafts"] >= 29 * 4
-    with pytest.raises(ValueError, match="speculative_tokens must be between 0 and the server's 3"):
+    with pytest.raises(ValueError, match=r"speculative_tokens must be between 0 \(off\) and 3, got 4"):
         eng.submit(prompts[0], 4, speculative_tokens=4)
 
 

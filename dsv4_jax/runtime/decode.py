@@ -20,7 +20,7 @@ drawn, never on the rows beside it, so every driver gives a request the same tok
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.deepseek_v4 import Model, step
 from dsv4_jax.model.mtp import init_mtp_cache
 from . import sampling, speculative
+from .request import SamplingParams
 
 
 class DecodeState(NamedTuple):
@@ -55,11 +56,17 @@ class Sampling(NamedTuple):
     drawn: jnp.ndarray
 
     @classmethod
-    def rows(cls, n: int, temperature=0.0, top_k=0, top_p=1.0, seeds=0, drawn=0) -> "Sampling":
-        """n rows, each argument a scalar (every row) or `[n]`."""
-        return cls(*(np.broadcast_to(np.asarray(a, dt), (n,)).copy() for a, dt in
-                     ((temperature, np.float32), (top_k, np.int32), (top_p, np.float32), (seeds, np.uint32),
-                      (drawn, np.int32))))
+    def rows(cls, n: int, params: Mapping[int, SamplingParams] | None = None,
+             drawn: Mapping[int, int] | None = None) -> "Sampling":
+        """n rows, row i drawing as params[i] (seeded with the low 32 bits of its seed), having
+        drawn drawn[i] tokens; the rows not in params greedy, those not in drawn at 0."""
+        s = cls(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
+                np.zeros(n, np.int32))
+        for i, p in (params or {}).items():
+            s.temperature[i], s.top_k[i], s.top_p[i], s.seeds[i] = p.temperature, p.top_k, p.top_p, p.seed % 2 ** 32
+        for i, d in (drawn or {}).items():
+            s.drawn[i] = d
+        return s
 
     @property
     def params(self) -> tuple:
@@ -139,6 +146,10 @@ def verify(params, drafter, state: DecodeState, last, active, limit, sample: Sam
 
 
 def _stops(tokens: jnp.ndarray, eos: jnp.ndarray) -> jnp.ndarray:
+    """Whether each token (`[B]`, or `[B, n]`) is one of its row's stop ids, eos int32 `[B, K]`
+    (-1: none; `[K]`: the same ids for every row)."""
+    if tokens.ndim == 2:
+        eos = jnp.expand_dims(eos, -2)  # each row's ids against each of its n tokens
     return jnp.any(tokens[..., None] == eos, axis=-1)
 
 
@@ -153,8 +164,9 @@ def _first(state: DecodeState, first, buf, done, max_new, eos):
 @partial(jax.jit, static_argnums=(8,), donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, cfg: ModelConfig):
     """`generate`'s decode: from each row's first token `first` `[B]` (sampled by `prefill`), feeds
-    each token back and samples the next until every row is done, at one of the stop ids `eos`
-    int32 `[K]` (-1: none) or after max_new tokens.
+    each token back and samples the next until every row is done, at one of its stop ids `eos`
+    int32 `[B, K]` (-1: none; `[K]`: the same for every row) or after its max_new tokens (int32
+    `[B]`, or one for every row).
 
     buf int32 `[B, max_len]` holds the prompts and receives each row's tokens at their positions;
     done bool `[B]`: rows that take no part (batch padding). Returns (buf, tokens generated per
@@ -176,11 +188,12 @@ def decode_loop(params, state: DecodeState, first, buf, done, max_new, sample: S
     return buf, n_gen, state._replace(cache=cache)  # returned so that the donated buffers alias it
 
 
-@partial(jax.jit, static_argnums=(9, 10), donate_argnums=(2,))
-def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, k: int,
-                cfg: ModelConfig):
-    """`decode_loop` with speculation: `verify` rounds (k drafts from `drafter`) until every row is
-    done. Returns (buf, tokens generated per row, the counters: "rounds" (main-model steps), the
+@partial(jax.jit, static_argnums=(10, 11), donate_argnums=(2,))
+def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, sample: Sampling, eos, limit,
+                k: int, cfg: ModelConfig):
+    """`decode_loop` with speculation: `verify` rounds (k drafts from `drafter`, row r proposing
+    the first limit[r] of them, int32 `[B]`) until every row is done. Returns (buf, tokens
+    generated per row, the counters: "rounds" (main-model steps), the
     speculative.SPEC_DECODE_COUNTERS, and "accepted_per_position" `[k]` (drafts whose i-th token
     was kept), the state)."""
     max_len = buf.shape[1]
@@ -194,7 +207,7 @@ def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, 
         state, last, buf, n_gen, done, counters = s
         active = ~done
         q = state.cache["pos"]
-        state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, None,
+        state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, limit,
                                                        sample._replace(drawn=n_gen), k, cfg)
         emit = jnp.where(active, jnp.minimum(kept + 1, max_new - n_gen), 0)  # the real tokens, within the limit
         stop = _stops(tokens, eos) & (i < emit[:, None])
@@ -204,7 +217,7 @@ def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, 
         done = done | jnp.any(stop, axis=1) | (n_gen >= max_new)
         last = jnp.take_along_axis(tokens, kept[:, None], axis=1)[:, 0]
         n_active = jnp.sum(active, dtype=jnp.int32)
-        added = (n_active, k * n_active, jnp.sum(jnp.where(active, kept, 0)))
+        added = (n_active, jnp.sum(jnp.where(active, limit, 0)), jnp.sum(jnp.where(active, kept, 0)))
         counters = {"rounds": counters["rounds"] + 1,
                     **{name: counters[name] + n for name, n in zip(speculative.SPEC_DECODE_COUNTERS, added)},
                     "accepted_per_position": counters["accepted_per_position"]

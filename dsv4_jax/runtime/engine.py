@@ -1,11 +1,12 @@
 """The serving engine: continuous batching over a fixed set of cache slots.
 
-Requests (token ids, sampling parameters, stop conditions, a seed) wait in a queue, are admitted
-to free slots, prefilled in chunks interleaved with the decode steps of the running slots, stream
-their tokens as they come, and free their slot at a stop token, their token limit, the slot's
-length or a cancel. Each slot is a row of one cache with its own position (dsv4_jax/model/cache.py), so
-rows at any positions decode together in one program, and a row can be reset and prefilled into
-while the others hold their state.
+Requests (token ids, a token limit and `request.SamplingParams`: sampling, a seed, stop ids; all
+checked by dsv4_jax/runtime/request.py, as `generate` and the server check theirs) wait in a
+queue, are admitted to free slots, prefilled in chunks interleaved with the decode steps of the
+running slots, stream their tokens as they come, and free their slot at a stop token, their token
+limit, the slot's length or a cancel. Each slot is a row of one cache with its own position
+(dsv4_jax/model/cache.py), so rows at any positions decode together in one program, and a row can
+be reset and prefilled into while the others hold their state.
 
 One engine step (`Engine.step`):
 1. admits waiting requests into free slots (first come, first served);
@@ -46,7 +47,9 @@ from dsv4_jax.model.deepseek_v4 import Model
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
-from .generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
+from .generate import run_request
+from .request import (MAX_SPECULATIVE_TOKENS, Request, SamplingParams, check_prompt, check_speculative_tokens,
+                      validate_request)
 
 
 class QueueFull(Exception):
@@ -54,18 +57,15 @@ class QueueFull(Exception):
 
 
 @dataclasses.dataclass
-class Request:
-    """A request and what became of it. Timestamps are `time.monotonic()` seconds."""
+class EngineRequest:
+    """A submitted request (checked: its prompt, token limit and sampling) and what became of it.
+    Timestamps are `time.monotonic()` seconds."""
 
     id: int
     prompt: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    on_token: Callable[["Request", int | None], None] | None = None  # (request, token or None at the end)
+    sampling: SamplingParams
+    on_token: Callable[["EngineRequest", int | None], None] | None = None  # (request, token or None at the end)
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     arrival: float = 0.0
@@ -74,7 +74,6 @@ class Request:
     slot: int | None = None
     prefilled: int = 0  # prompt tokens in the cache
     cancelled: bool = False
-    speculative_tokens: int = 0  # drafts a round (at most the engine's)
 
     @property
     def done(self) -> bool:
@@ -93,9 +92,7 @@ class Engine:
         cfg = model.config
         if speculative_tokens and model.mtp is None:
             raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
-        if not 0 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_tokens must be between 0 (off) and {MAX_SPECULATIVE_TOKENS}, "
-                             f"got {speculative_tokens}")
+        check_speculative_tokens(speculative_tokens, MAX_SPECULATIVE_TOKENS)
         if slots < 1 or max_len < 2 or prefill_chunk < MIN_PREFILL_CHUNK or max_queue < 1:
             raise ValueError(f"slots >= 1, max_len >= 2, prefill_chunk >= {MIN_PREFILL_CHUNK} and max_queue >= 1 are "
                              f"needed, got {slots}, {max_len}, {prefill_chunk}, {max_queue}")
@@ -115,8 +112,8 @@ class Engine:
         self.k = speculative_tokens
         self.mtp = model.mtp.params if self.k else None  # the block's rows run in prefill only with speculation
         self.state = self._new_state()
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: dict[int, Request] = {}  # slot -> request
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free = list(range(self.slots))
         self.next_token = np.zeros((self.slots,), np.int32)  # each generating slot's last token
         self.lock = threading.Lock()
@@ -136,46 +133,33 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def validate(self, prompt, max_tokens: int) -> None:
-        """Raises ValueError for a request this engine cannot serve (OpenAI's wording)."""
-        V = self.cfg.vocab_size
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {V})")
-        if len(prompt) >= self.max_len:
-            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, your request "
-                             f"has {len(prompt)} input tokens. Please reduce the length of the input.")
-        if max_tokens < 1 or len(prompt) + max_tokens > self.max_len:
-            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you requested "
-                             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
-                             f"completion). Please reduce the length of the messages or completion.")
-
     def submit(self, prompt, max_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, stop_token_ids=(), on_token=None, speculative_tokens: int | None = None) -> Request:
-        """Queues a request; ValueError if it cannot be served, QueueFull if the queue is full.
-        speculative_tokens: drafts a round for this request (default, and at most, the engine's)."""
-        prompt = [int(t) for t in prompt]
-        self.validate(prompt, max_tokens)
-        drafts = self.k if speculative_tokens is None else int(speculative_tokens)
-        if not 0 <= drafts <= self.k:
-            raise ValueError(f"speculative_tokens must be between 0 and the server's {self.k}, got {drafts}")
+               seed: int = 0, stop_token_ids=None, on_token=None,
+               speculative_tokens: int | None = None) -> EngineRequest:
+        """Queues a request; request.RequestError (a ValueError; TypeError for a wrong type) if it
+        cannot be served: request.py's checks (`check_prompt` against this engine's max_len tokens,
+        `SamplingParams.checked`), in the wording `generate` and the server use. QueueFull if the
+        queue is full. stop_token_ids: None, one id or a non-empty list of them; speculative_tokens:
+        drafts a round for this request (default, and at most, the engine's)."""
+        V = self.cfg.vocab_size
+        # No lookahead counts against the context: the slots hold k positions past max_len.
+        prompt, max_tokens = check_prompt(prompt, max_tokens, V, self.max_len)
+        sampling = SamplingParams.checked(V, temperature, top_k, top_p, seed, stop_token_ids,
+                                          self.k if speculative_tokens is None else speculative_tokens,
+                                          max_speculative_tokens=self.k)
         with self.lock:
             # Only requests that no free slot will take at the next step wait; the others are
             # admitted then, so they never count against max_queue.
             queued = len(self.waiting) - len(self.free)
             if queued >= self.max_queue:
                 raise QueueFull(f"{queued} requests are waiting for a slot already (the queue holds {self.max_queue})")
-            req = Request(next(self.ids), prompt, int(max_tokens), float(temperature), int(top_k), float(top_p),
-                          int(seed), tuple(int(t) for t in stop_token_ids), on_token, arrival=time.monotonic(),
-                          speculative_tokens=drafts)
+            req = EngineRequest(next(self.ids), prompt, max_tokens, sampling, on_token, arrival=time.monotonic())
             self.waiting.append(req)
             self.counters["requests"] += 1
             self.wake.notify()
         return req
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: EngineRequest) -> None:
         """Ends the request at the next step (its slot is freed); a no-op once it is done."""
         with self.lock:
             req.cancelled = True
@@ -221,15 +205,12 @@ class Engine:
             self._finish(req, "cancelled")
 
     @staticmethod
-    def _sampling(reqs: dict[int, Request], rows: int) -> decode.Sampling:
+    def _sampling(reqs: dict[int, EngineRequest], rows: int) -> decode.Sampling:
         """How the requests at those rows (of `rows`) draw; the other rows greedy."""
-        s = decode.Sampling.rows(rows)
-        for i, r in reqs.items():
-            s.temperature[i], s.top_k[i], s.top_p[i] = r.temperature, r.top_k, r.top_p
-            s.seeds[i], s.drawn[i] = r.seed & 0xFFFFFFFF, len(r.tokens)
-        return s
+        return decode.Sampling.rows(rows, {i: r.sampling for i, r in reqs.items()},
+                                    {i: len(r.tokens) for i, r in reqs.items()})
 
-    def _prefill(self, chosen: list[tuple[Request, int]]) -> None:
+    def _prefill(self, chosen: list[tuple[EngineRequest, int]]) -> None:
         R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
         T = chunk_bucket(max(n for _, n in chosen), self.prefill_chunk)
         reqs = [r for r, _ in chosen]
@@ -251,13 +232,13 @@ class Engine:
             if r.prefilled == len(r.prompt):
                 self._emit(r, int(tokens[i]))
 
-    def _decode(self, generating: list[Request]) -> None:
+    def _decode(self, generating: list[EngineRequest]) -> None:
         """One token for every generating slot, or with speculation one verification round: 1 to
         k + 1 tokens each."""
         active = np.zeros(self.slots, bool)
         active[[r.slot for r in generating]] = True
         limit = np.zeros(self.slots, np.int32)
-        limit[[r.slot for r in generating]] = [r.speculative_tokens for r in generating]
+        limit[[r.slot for r in generating]] = [r.sampling.speculative_tokens for r in generating]
         tokens, kept = self._run_decode(self.next_token.copy(), active, limit,
                                         self._sampling({r.slot: r for r in generating}, self.slots))
         if kept is None:
@@ -270,7 +251,7 @@ class Engine:
         for r in generating:
             j = int(kept[r.slot])
             c[speculative.NUM_DRAFTS] += 1
-            c[speculative.NUM_DRAFT_TOKENS] += r.speculative_tokens
+            c[speculative.NUM_DRAFT_TOKENS] += r.sampling.speculative_tokens
             c[speculative.NUM_ACCEPTED_TOKENS] += j
             for i in range(j):
                 c[speculative.accepted_at(i)] += 1
@@ -292,13 +273,13 @@ class Engine:
                                                      last, active, limit, sample, self.k, self.cfg)
             return tokens, kept
 
-    def _emit(self, req: Request, token: int) -> None:
+    def _emit(self, req: EngineRequest, token: int) -> None:
         """Hands a generated token to its request and ends the request where it stops."""
         req.tokens.append(token)
         req.token_times.append(time.monotonic())
         self.next_token[req.slot] = token
         self.counters["generation_tokens"] += 1
-        if token in req.stop_token_ids:
+        if token in req.sampling.stop_token_ids:
             req.finish_reason = "stop"
         elif len(req.tokens) >= req.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_len:
             req.finish_reason = "length"
@@ -307,7 +288,7 @@ class Engine:
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: EngineRequest, reason: str) -> None:
         req.finish_reason = reason
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
@@ -398,9 +379,9 @@ class StaticEngine(Engine):
     server without an engine would run it. The waiting requests (up to `slots`) go as one batch
     through `generate.run_request`, and the next batch starts when the whole batch is done: a
     request arriving meanwhile waits for it, and a request gets all its tokens when its batch ends.
-    A batch decodes with its first request's sampling settings and stop ids, for the longest
-    max_tokens among its requests (each request's tokens are cut to its own limit and stop ids).
-    Same interface as Engine (submit, cancel, start / stop, stats); no speculation."""
+    Each row of a batch runs with its request's own token limit, sampling and stop ids, so a
+    request gets what `generate` gives it alone. Same interface as Engine (submit, cancel, start /
+    stop, stats); no speculation."""
 
     def _step_params(self):
         return None  # generate splits the weights itself, per batch, as a server calling it does
@@ -419,20 +400,15 @@ class StaticEngine(Engine):
                 batch.append(req)
         if not batch:
             return False
-        first = batch[0]
-        request = validate_request([r.prompt for r in batch], self.cfg, max(r.max_tokens for r in batch),
-                                   first.temperature, first.top_k, first.top_p, list(first.stop_token_ids) or None,
-                                   first.seed, max_len=self.max_len)
+        # submit checked every request against max_len: the batch of them is a checked Request
+        request = Request([r.prompt for r in batch], tuple(r.max_tokens for r in batch),
+                          tuple(r.sampling for r in batch), self.max_len)
         out = run_request(self.model, self.cfg, request)
         self.counters["prompt_tokens"] += sum(len(r.prompt) for r in batch)
         for r, tokens in zip(batch, out.rows()):
             r.prefilled = len(r.prompt)
-            for t in tokens:
+            for t in tokens:  # its last one ends it: its stop id or its limit
                 self._emit(r, int(t))
-                if r.done:
-                    break
-            if not r.done:  # the batch's stop id ended it before its own limit
-                self._finish(r, "stop")
         return True
 
     def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:

@@ -63,7 +63,6 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -72,6 +71,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError
 from dsv4_jax.runtime.engine import Engine, QueueFull, StaticEngine
+from dsv4_jax.runtime.request import RequestError, SamplingParams, check_prompt, input_too_long, prompt_field
 from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS
 from .chat import ChatError, ChatFormat, load_chat_format
 from .http import APIError, Gate, error_response, protocol
@@ -80,7 +80,6 @@ from .tokenization import ServerTokenizer, TextOutput, surrogate_message
 PROG = "dsv4-serve"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 POLL_S = 0.5  # how often a waiting request checks its client and the engine thread
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # the engine samples in float32
 LATENCY_BUCKETS = tuple(0.001 * 2 ** k for k in range(22))  # 1 ms .. 35 min, doubling
 NEUTRAL = {  # OpenAI fields we do not implement, accepted (besides null) only at these values
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
@@ -282,43 +281,38 @@ class Service:
         return self.engine.cfg.vocab_size
 
 
+def _bad_request(e: RequestError) -> APIError:
+    """A request the runtime's checks refused (dsv4_jax/runtime/request.py): a 400 in their
+    wording, naming their field."""
+    return APIError(400, str(e), e.param)
+
+
 @dataclasses.dataclass
 class Sampling:
-    """A request's sampling and stop settings, checked."""
+    """A request's sampling, checked, and its stop strings (matched here, on the output text)."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop_token_ids: tuple[int, ...]
+    params: SamplingParams
     stops: list[str]
-    speculative_tokens: int | None
 
 
 def _sampling(body: _Common, service: Service) -> Sampling:
-    V = service.vocab_size
-    t = 1.0 if body.temperature is None else body.temperature
-    if not 0 <= t <= FLOAT32_MAX:
-        raise APIError(400, f"temperature must be >= 0 (0: greedy) and a float32, got {t}", "temperature")
-    p = 1.0 if body.top_p is None else body.top_p
-    if not 0 < p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
-    k = 0 if body.top_k in (None, -1) else body.top_k
-    if not 0 <= k <= V:
-        raise APIError(400, f"top_k must be 0 or -1 (off) or at most the vocabulary size {V}, got {body.top_k}",
-                       "top_k")
+    """The request's sampling with OpenAI's defaults (temperature 1, a random seed; top_k -1, as
+    vLLM takes it, or absent: off) and the checkpoint's eos ids among the stop ids unless
+    ignore_eos, checked as the engine checks it."""
     ids = tuple(body.stop_token_ids or ())
-    bad = next((i for i in ids if not 0 <= i < V), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {V})", "stop_token_ids")
     if not body.ignore_eos:
         ids += tuple(i for i in service.eos_ids if i not in ids)
-    seed = random.getrandbits(32) if body.seed is None else body.seed
-    drafts = body.speculative_tokens
-    if drafts is not None and not 0 <= drafts <= service.engine.k:
-        raise APIError(400, f"speculative_tokens must be between 0 and the server's --speculative-tokens "
-                            f"({service.engine.k}), got {drafts}", "speculative_tokens")
-    return Sampling(t, k, p, seed, ids, _stops(body.stop), drafts)
+    k = service.engine.k
+    # No stop ids go as None: the runtime refuses an empty list, as a list that lost its ids.
+    try:
+        params = SamplingParams.checked(
+            service.vocab_size, 1.0 if body.temperature is None else body.temperature,
+            0 if body.top_k in (None, -1) else body.top_k, 1.0 if body.top_p is None else body.top_p,
+            random.getrandbits(32) if body.seed is None else body.seed, ids or None,
+            k if body.speculative_tokens is None else body.speculative_tokens, max_speculative_tokens=k)
+    except RequestError as e:
+        raise _bad_request(e) from None
+    return Sampling(params, _stops(body.stop))
 
 
 def _stops(stop) -> list[str]:
@@ -341,9 +335,7 @@ def _check_length(text: str, service: Service, param: str) -> None:
     before it is tokenized."""
     n, limit = service.tokenizer.min_tokens(text), service.engine.max_len
     if n >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has at "
-                            f"least {n} input tokens ({len(text)} characters). Please reduce the length of the "
-                            f"input.", param)
+        raise _bad_request(input_too_long(limit, n, param, characters=len(text)))
 
 
 async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
@@ -352,8 +344,7 @@ async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
     def is_id(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
-    single = isinstance(prompt, str)
-    if single:
+    if isinstance(prompt, str):
         prompt = [prompt]
     elif isinstance(prompt, list) and prompt and all(map(is_id, prompt)):
         return [prompt]
@@ -365,7 +356,7 @@ async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
     if not isinstance(prompt[0], str):
         return prompt
     for i, text in enumerate(prompt):
-        param = "prompt" if single else f"prompt[{i}]"
+        param = prompt_field(i, len(prompt))
         _check_text(text, param)
         _check_length(text, service, param)
     return await asyncio.to_thread(service.tokenizer.encode, prompt)
@@ -380,6 +371,7 @@ class Generation:
 
     def __init__(self, service: Service, http: Request, prompts: list[list[int]], max_tokens: list[int],
                  sampling: Sampling, param: str):
+        """param: the request's field the prompts come from ("prompt" or "messages"), for errors."""
         self.service, self.http = service, http
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -388,19 +380,26 @@ class Generation:
         self.completion_tokens = [0] * len(prompts)
         self.finish: list[str | None] = [None] * len(prompts)
         engine = service.engine
-        for p, m in zip(prompts, max_tokens):
-            _validate(engine, p, m, param)
+        try:
+            for i, (p, m) in enumerate(zip(prompts, max_tokens)):  # every prompt, before any runs
+                check_prompt(p, m, service.vocab_size, engine.max_len, field=prompt_field(i, len(prompts), param))
+        except RequestError as e:
+            raise _bad_request(e) from None
+        s = sampling.params
         self.requests = []
         try:
             for i, (p, m) in enumerate(zip(prompts, max_tokens)):
                 self.requests.append(engine.submit(
-                    p, m, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                    seed=sampling.seed + i, stop_token_ids=sampling.stop_token_ids,
-                    speculative_tokens=sampling.speculative_tokens,
+                    p, m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed + i,
+                    stop_token_ids=s.stop_token_ids or None,  # (): None, see _sampling
+                    speculative_tokens=s.speculative_tokens,
                     on_token=lambda req, token, i=i: self._on_token(i, req, token)))
         except QueueFull as e:
             self.cancel()
             raise APIError(503, f"The server is overloaded: {e}; retry later") from None
+        except RequestError as e:  # a seed + i past 64 bits: the rest was checked above
+            self.cancel()
+            raise _bad_request(e) from None
 
     def _on_token(self, index: int, req, token: int | None) -> None:
         """Runs on the engine thread."""
@@ -451,17 +450,6 @@ class Generation:
     def usage(self) -> dict:
         n = sum(self.completion_tokens)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
-
-
-def _validate(engine: Engine, prompt: list[int], max_tokens: int, param: str) -> None:
-    """The engine's checks (OpenAI's wording), naming the prompt or max_tokens."""
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    for tokens, field in ((1, param), (max_tokens, "max_tokens")):
-        try:
-            engine.validate(prompt, tokens)
-        except ValueError as e:
-            raise APIError(400, str(e), field) from None
 
 
 def _check_model(body: _Common, service: Service) -> None:

@@ -33,7 +33,8 @@ from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.mtp import init_mtp_params
 from dsv4_jax.model.params import init_params
 from dsv4_jax.runtime import speculative
-from dsv4_jax.runtime.generate import MAX_SPECULATIVE_TOKENS, run_request, validate_request
+from dsv4_jax.runtime.generate import run_request
+from dsv4_jax.runtime.request import MAX_SPECULATIVE_TOKENS, validate_request
 from .random_checkpoint import FLASH_MINI, TINY
 
 class ForcedDrafts(NamedTuple):

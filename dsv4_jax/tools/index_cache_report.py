@@ -40,7 +40,8 @@ from dsv4_jax.model.layer_kinds import CSA
 from dsv4_jax.model.deepseek_v4 import DeepseekV4, step, with_options
 from dsv4_jax.model.index_cache import index_cache_schedule
 from dsv4_jax.runtime import compile_cache
-from dsv4_jax.runtime.generate import generate, validate_request
+from dsv4_jax.runtime.generate import generate
+from dsv4_jax.runtime.request import validate_request
 
 
 def _median_time(fn, reps: int = 3) -> float:
@@ -65,7 +66,7 @@ def report(model: DeepseekV4, prompts: list[list[int]], new_tokens: int, **on_op
     sched = index_cache_schedule(on_cfg)
     if not sched.reusing:
         raise ValueError("this schedule reuses on no layer (freq 1, or a pattern of F only): nothing to measure")
-    prompts = validate_request(prompts, on_cfg, new_tokens).rows
+    prompts = validate_request(prompts, on_cfg, new_tokens).prompts
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"prompts must have one length for this report, got lengths {sorted(lengths)}")
