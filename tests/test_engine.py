@@ -23,7 +23,7 @@ generate_module = importlib.import_module("dsv4_jax.runtime.generate")  # the mo
 @pytest.fixture(scope="module")
 def model():
     cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)  # window 8, ratios 4 and 128
-    return dsv4_jax.Model(dsv4_jax.init_params(cfg, seed=2, std=0.1), cfg)
+    return dsv4_jax.DeepseekV4(dsv4_jax.init_params(cfg, seed=2, std=0.1), cfg)
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def test_ragged_batch_rows_equal_alone(tiny):
     positions (the 1- and 7-token rows hold while the 33-token row's chunk runs), then the rows
     decode from their own positions."""
     cfg, params = tiny
-    model = dsv4_jax.Model(params, cfg)
+    model = dsv4_jax.DeepseekV4(params, cfg)
     rng = np.random.default_rng(3)
     prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (1, 7, 33)]
     batch = dsv4_jax.generate(model, prompts, 24).rows()
@@ -115,7 +115,7 @@ def test_requests_in_one_bucket_compile_nothing_new(tiny):
     max_new_tokens, 3 or 4 rows, other sampling settings and stop ids compile no program. A
     request in a new bucket does compile, which shows that the count sees compilations."""
     cfg, params = tiny
-    model = dsv4_jax.Model(params, cfg)
+    model = dsv4_jax.DeepseekV4(params, cfg)
     rng = np.random.default_rng(4)
 
     def ids(*lengths):
@@ -142,7 +142,7 @@ def test_buckets():
 
 def test_eos_stops_a_row(tiny):
     cfg, params = tiny
-    model = dsv4_jax.Model(params, cfg)
+    model = dsv4_jax.DeepseekV4(params, cfg)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     free = dsv4_jax.generate(model, prompts, 12)
     eos = int(free.tokens[0, 3])
@@ -163,7 +163,7 @@ def test_eos_stops_a_row(tiny):
 
 def test_sampling_is_reproducible(tiny):
     cfg, params = tiny
-    model = dsv4_jax.Model(params, cfg)
+    model = dsv4_jax.DeepseekV4(params, cfg)
     kw = dict(temperature=1.0, top_k=20, top_p=0.9)
     a = dsv4_jax.generate(model, [[1, 2, 3]], 16, seed=7, **kw).rows()
     assert a == dsv4_jax.generate(model, [[1, 2, 3]], 16, seed=7, **kw).rows()
@@ -239,7 +239,7 @@ def test_bad_requests_fail_before_compiling(tiny, kw, err, msg):
     prompts = kw.pop("prompts")
     kw.setdefault("max_new_tokens", 16)
     with CompileCounter() as c, pytest.raises(err, match=msg):
-        dsv4_jax.generate(dsv4_jax.Model(params, cfg), prompts, **kw)
+        dsv4_jax.generate(dsv4_jax.DeepseekV4(params, cfg), prompts, **kw)
     assert c.programs == []
 
 
@@ -247,7 +247,7 @@ def test_numpy_and_jax_values_are_accepted(tiny):
     """Rows as 1-D numpy / jax integer arrays, numpy / jax scalars for the numbers: the same
     tokens as plain Python values."""
     cfg, params = tiny
-    model = dsv4_jax.Model(params, cfg)
+    model = dsv4_jax.DeepseekV4(params, cfg)
     plain = dsv4_jax.generate(model, [[5, 6, 7], [9, 10]], 6, temperature=0.8, top_k=10, top_p=0.9, seed=1).rows()
     other = dsv4_jax.generate(model, [jnp.array([5, 6, 7]), np.array([9, 10], np.int64)], np.int64(6),
                               temperature=np.float32(0.8), top_k=jnp.int32(10), top_p=jnp.float32(0.9),

@@ -128,7 +128,7 @@ def test_bad_speculative_requests(model, prompts):
     with pytest.raises(ValueError, match=r"length is 156 tokens\. However, you requested 158 tokens \(150 in the "
                                          r"messages, 4 in the completion, 4 for speculative decoding\)"):
         dsv4_jax.generate(model, prompts, 4, speculative_tokens=4, max_len=156)
-    plain = dsv4_jax.Model(model.params, model.config)
+    plain = dsv4_jax.DeepseekV4(model.params, model.config)
     with pytest.raises(ValueError, match="needs the checkpoint's MTP block"):
         dsv4_jax.generate(plain, prompts, 4, speculative_tokens=2)
 

@@ -466,9 +466,6 @@ class DeepseekV4(Block):
         return self.embed.get_value().dtype
 
 
-Model = DeepseekV4  # TEMPORARY until the request branch merges
-
-
 @partial(jax.jit, static_argnums=2)
 def _jit_forward(params, input_ids, cfg):
     return forward(params, input_ids, cfg)

@@ -28,7 +28,7 @@ import numpy as np
 
 from dsv4_jax.model.cache import put_rows, reset_rows, take_rows
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import Model, step
+from dsv4_jax.model.deepseek_v4 import DeepseekV4, step
 from dsv4_jax.model.mtp import init_mtp_cache
 from . import sampling, speculative
 from .request import SamplingParams
@@ -80,7 +80,7 @@ class Sampling(NamedTuple):
         return sampling.sample(logits, self.keys(), *self.params)
 
 
-def new_state(model: Model, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0) -> DecodeState:
+def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0) -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices; with k
     drafts a round, rings k slots wider and the MTP block's state (speculative.py). Committed to
     the devices, as every program's output is, so that the first call compiles the program the

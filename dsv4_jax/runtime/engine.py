@@ -43,7 +43,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dsv4_jax.model.deepseek_v4 import Model
+from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
@@ -87,7 +87,7 @@ class Engine:
     callback (called from the thread running `step`) and in `request.tokens`. `run_forever` /
     `start` drive `step` in a loop; tests call `step` directly."""
 
-    def __init__(self, model: Model, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
+    def __init__(self, model: DeepseekV4, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0):
         cfg = model.config
         if speculative_tokens and model.mtp is None:

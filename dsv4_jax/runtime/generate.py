@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.deepseek_v4 import RUNTIME_OPTIONS, Model, with_options
+from dsv4_jax.model.deepseek_v4 import RUNTIME_OPTIONS, DeepseekV4, with_options
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
 from .buckets import PREFILL_CHUNK, batch_bucket, prefill_chunks
@@ -71,7 +71,7 @@ _PARAMETERS = ("model", "prompts", "max_new_tokens", "temperature", "top_k", "to
                "max_len", "speculative_tokens")
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int,
+def generate(model: DeepseekV4, prompts: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0, max_len: int | None = None,
              speculative_tokens: int = 0, **options) -> GenerateOutput:
@@ -103,7 +103,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]] | np.ndarray, max_ne
     return run_request(model, cfg, req)
 
 
-def run_request(model: Model, cfg: ModelConfig, req: Request, drafter=None) -> GenerateOutput:
+def run_request(model: DeepseekV4, cfg: ModelConfig, req: Request, drafter=None) -> GenerateOutput:
     """`generate` on a checked request, through the programs of dsv4_jax/runtime/decode.py: each
     row with its own token limit, sampling and stop ids. drafter (speculation only): the draft
     source (default: the model's MTP block, `speculative.BlockDrafts`; a test's or a benchmark's
