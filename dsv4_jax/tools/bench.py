@@ -156,13 +156,13 @@ def bench_transformers(model, sizes: dict, vocab: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # our side
 
-def _prefill_all(params, cfg, ids: np.ndarray, max_len: int):
-    """generate()'s prefill: the per-layer split of the weights (CPU), then the prompt in chunks of
-    PREFILL_CHUNK (the last cut to a power of two; decode.prefill, greedy). Returns (each row's
-    first token, the state)."""
-    params = unstack_layers(params)
+def _prefill_all(model: DeepseekV4, params, ids: np.ndarray, max_len: int):
+    """generate()'s prefill of `model` with the weights `params`: their per-layer split (CPU), then
+    the prompt in chunks of PREFILL_CHUNK (the last cut to a power of two; decode.prefill, greedy).
+    Returns (each row's first token, the state)."""
+    cfg, params = model.config, unstack_layers(params)
     B = ids.shape[0]
-    state = decode.new_state(DeepseekV4(params, cfg), B, max_len)
+    state = decode.new_state(model, B, max_len)
     for chunk, n, _ in prefill_chunks(ids, np.full(B, ids.shape[1], np.int32)):
         first, state = decode.prefill(params, None, state, None, chunk, n, None, None, decode.Sampling.rows(B), cfg)
     return first, state
@@ -187,12 +187,12 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     max_len = -(-(S + 1) // 128) * 128
     ids = rng.integers(0, cfg.vocab_size, size=(1, S)).astype(np.int32)
     chunks = [T for T, _ in prefill_plan([S])]
-    one, model = np.ones(1, np.int32), DeepseekV4(split, cfg)
+    one, model = np.ones(1, np.int32), DeepseekV4(params, cfg)
     out["compile_s"]["prefill"] = {
         str(c): _compile_seconds(decode.prefill, split, None, decode.new_state(model, 1, max_len), None,
                                  jnp.zeros((1, c), i32), one, None, None, decode.Sampling.rows(1), cfg)
         for c in sorted(set(chunks))}
-    run = lambda _: jax.block_until_ready(_prefill_all(params, cfg, ids, max_len))
+    run = lambda _: jax.block_until_ready(_prefill_all(model, params, ids, max_len))
     run(None)  # warm-up (first execution)
     t, ts = _median_time(run, sizes["repeats"], lambda: None)
     out["prefill"] = {"tokens": S, "batch": 1, "chunks": chunks, "seconds": t, "tokens_per_s": S / t,
@@ -210,7 +210,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         extra = (decode.Sampling.rows(b), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup():
-            return jax.block_until_ready(_prefill_all(split, cfg, prompt, max_len))
+            return jax.block_until_ready(_prefill_all(model, split, prompt, max_len))
 
         first, state = setup()
         out["compile_s"][f"decode_loop_b{b}"] = _compile_seconds(
