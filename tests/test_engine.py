@@ -217,3 +217,9 @@ def test_static_engine_runs_each_request_with_its_own_sampling(model):
     for r, p, a, s in zip(reqs, prompts, asks, stops):
         assert r.tokens == dsv4_jax.generate(model, [p], 12, eos_token_id=s, **a).rows()[0]
         assert r.finish_reason == "stop" and r.tokens[-1] == s
+
+
+def test_drafts_asked_of_an_engine_without_speculation(engine):
+    with pytest.raises(ValueError, match="speculative decoding is off here"):
+        engine.submit([1, 2, 3], 4, speculative_tokens=2)
+    assert engine.submit([1, 2, 3], 1, speculative_tokens=0).sampling.speculative_tokens == 0

@@ -50,6 +50,13 @@ def test_load_returns_the_module_of_blocks(converted):
             assert name in shown
 
 
+def test_a_block_takes_arrays_only():
+    params = dsv4_jax.init_params(CFG)
+    params["layers"]["attn"]["wq_a"] = list(params["layers"]["attn"]["wq_a"])
+    with pytest.raises(TypeError, match="Attention.wq_a: a weight must be an array or a QuantizedWeight, got list"):
+        dsv4_jax.DeepseekV4(params, CFG)
+
+
 def test_param_state_holds_every_parameter(converted):
     model = dsv4_jax.load(converted[1], mtp=True)
     spec = _paths(param_spec(CFG))

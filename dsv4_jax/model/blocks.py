@@ -22,6 +22,7 @@ leading axis the layer; the stack runs as one `lax.scan` over that state
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -42,6 +43,9 @@ class Block(nnx.Module):
         for name, value in tree.items():
             if name in self.PARTS:
                 setattr(self, name, self.PARTS[name](value))
+            elif not isinstance(getattr(value, "dtype", None), np.dtype):
+                raise TypeError(f"{type(self).__name__}.{name}: a weight must be an array or a QuantizedWeight, got "
+                                f"{type(value).__name__}")
             elif jnp.issubdtype(value.dtype, jnp.integer):
                 setattr(self, name, RoutingTable(value))
             else:

@@ -71,6 +71,9 @@ def _outside_vocabulary(field: str, token: int, vocab_size: int) -> RequestError
 def check_speculative_tokens(k, most: int) -> int:
     """Drafts a round, 0 (no speculation) to `most` (MAX_SPECULATIVE_TOKENS, or an engine's own)."""
     k = _integer(k, "speculative_tokens")
+    if k and not most:
+        raise RequestError(f"speculative_tokens must be 0: speculative decoding is off here (the engine or server "
+                           f"was started without speculative_tokens), got {k}", "speculative_tokens")
     if not 0 <= k <= most:
         raise RequestError(f"speculative_tokens must be between 0 (off) and {most}, got {k}", "speculative_tokens")
     return k
