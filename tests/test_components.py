@@ -674,13 +674,21 @@ def test_experts(T, routing, monkeypatch):
     split = layer_weights.unstack_layers({"layers": {"ffn": dict(zip(("w1", "w2", "w3"), stack))}})["layers"]["ffn"]
     assert all(isinstance(split[n], layer_weights.PerExpert) for n in ("w1", "w2", "w3"))
 
-    @jax.jit
-    def in_place(x, idx, w, split, i):
+    @partial(jax.jit, static_argnums=(5,))
+    def in_place(x, idx, w, split, i, impl="auto"):
         layer = layer_weights.take_layer(split, i)
-        return routed_experts(x, idx, w, layer["w1"], layer["w2"], layer["w3"], limit)
+        return routed_experts(x, idx, w, layer["w1"], layer["w2"], layer["w3"], limit, impl=impl)
 
-    assert_close(in_place(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), split, jnp.int32(1)), routed_t, 1e-5,
-                 "routed experts from per-expert buffers")
+    for impl in ("auto", "ref"):  # "ref" (the plain-JAX form fine-tuning takes) reads these buffers as they are
+        assert_close(in_place(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w), split, jnp.int32(1), impl), routed_t,
+                     1e-5, f"routed experts from per-expert buffers, impl {impl}")
+    # "ref" on the stacks: the grouped form on every platform, differentiable
+    ref = jax.jit(partial(routed_experts, limit=limit, impl="ref"))(_j(x), jnp.asarray(_n(idx), jnp.int32), _j(w),
+                                                                    *stack, layer=jnp.int32(1))
+    assert_close(ref, routed_t, 1e-5, "routed experts, impl ref")
+    grad = jax.grad(lambda x: jnp.sum(routed_experts(x, jnp.asarray(_n(idx), jnp.int32), _j(w), w1, w2, w3, limit,
+                                                     impl="ref")))(_j(x))
+    assert np.all(np.isfinite(_n(grad))) and np.any(_n(grad) != 0)
     # TPU's form (moe._grouped: the pairs' rows grouped by expert for
     # pallas_kernels.grouped_matmul, here its reference): plain, from the layer stacks, and with
     # the experts split over two devices (each runs its own half, the sum is the whole)

@@ -97,12 +97,11 @@ def routed_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, w
         return expert(x, w1, w2, w3, limit, hw, fp8_activations=fp8_activations).astype(jnp.float32)
 
     pairs = dict(layer=layer, first_expert=first_expert)
-    grouped = partial(_grouped, limit=limit, fp8_activations=fp8_activations, impl=impl, **pairs)
-    if impl == "ref":  # the plain-JAX twins on every platform (XLA:CPU's loop has no reverse mode)
-        return grouped(x, experts, weights, w1, w2, w3)
+    # "ref": the plain-JAX twins on every platform (XLA:CPU's loop has no reverse mode)
     return xla_cpu.choose(x, experts, weights, w1, w2, w3,
                           cpu=partial(xla_cpu.routed_experts, ffn=ffn, sorted_pairs=_sorted_pairs, **pairs),
-                          device=grouped)
+                          device=partial(_grouped, limit=limit, fp8_activations=fp8_activations, impl=impl, **pairs),
+                          portable=impl == "ref")
 
 
 ROUTED_SCOPE = "routed_experts"

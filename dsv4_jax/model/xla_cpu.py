@@ -33,11 +33,15 @@ from .quantized import QuantizedWeight
 _CPU_ONLY = (LayerWeight, LayerExperts)
 
 
-def choose(*operands, cpu: Callable, device: Callable):
-    """cpu(*operands) in a program lowered for XLA:CPU, device(*operands) elsewhere (TPU, GPU).
-    Operands holding a per-layer buffer (CPU's generate only) go to cpu without tracing device."""
+def choose(*operands, cpu: Callable, device: Callable, portable: bool = False):
+    """cpu(*operands) in a program lowered for XLA:CPU, device(*operands) elsewhere (TPU, GPU);
+    with `portable`, device(*operands) everywhere (a cpu form without reverse mode: the program
+    can then be differentiated). Operands holding a per-layer buffer (CPU's generate only) go to
+    cpu without tracing device."""
     if any(isinstance(x, _CPU_ONLY) for x in jax.tree.leaves(operands, is_leaf=lambda x: isinstance(x, _CPU_ONLY))):
         return cpu(*operands)
+    if portable:
+        return device(*operands)
     return jax.lax.platform_dependent(*operands, cpu=cpu, default=device)
 
 
