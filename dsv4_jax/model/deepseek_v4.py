@@ -400,8 +400,9 @@ def with_options(cfg: ModelConfig, **options) -> ModelConfig:
 class DeepseekV4(Block):
     """A DeepSeek-V4 model as a Flax NNX module: `logits = model(input_ids)` for int32 `[B, S]` ->
     fp32 `[B, S, V]`. Its blocks (dsv4_jax/model/blocks.py) hold the weights under the names of the
-    parameter tree, so `nnx.state(model)` is the checkpoint and `model.params` the tree the jitted
-    programs take (`step`, dsv4_jax/runtime/decode.py), read once per call, not per step.
+    parameter tree, so `nnx.state(model)` without `mtp` is the checkpoint's `params/`, and
+    `model.params` the tree the jitted programs take (`step`, dsv4_jax/runtime/decode.py), read
+    once per call, not per step.
 
     On a device mesh (`load(..., mesh=)`), `mesh` is set, `config.layout` says where every array
     lives (dsv4_jax/model/sharding.py) and the jitted programs run under `jax.set_mesh(mesh)`. With
