@@ -13,8 +13,10 @@ FP4 expert weights) and writes OUT_DIR with
   that the checkpoint stores quantized stay quantized (values + scales) and every other float
   leaf keeps bfloat16 where the checkpoint's values fit it exactly, float32 otherwise; a quantized
   leaf is the subtree {"values", "scale"};
-* `mtp/`: the `mtp.*` tensors, when present, as another Orbax checkpoint (tree nested by the
-  names' dotted parts, so each array's directory is the tensor's name);
+* `mtp/`: the MTP block, when the checkpoint has its `mtp.*` tensors, as another Orbax checkpoint
+  of the block's parameter tree (`dsv4_jax.model.mtp.mtp_param_spec`: `nnx.state(model.mtp)`,
+  routed experts stacked), its leaves stored as params/'s (with native, the FP8/FP4 leaves of
+  `mtp.NATIVE_QUANT` kept quantized, named "mtp.<path>" in "quantized");
 * `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`: copied from HF_DIR, those
   it has (listed in "copied_files"; each checked first, dsv4_jax/checkpoint/hf_files.py).
 
@@ -106,8 +108,10 @@ def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
     import ml_dtypes
     import numpy as np
 
+    from dsv4_jax.model import mtp
     from dsv4_jax.model.params import INT, NATIVE_QUANT, leaf_dtype, map_spec
 
+    formats = {**NATIVE_QUANT, **{(MTP_DIR,) + p: f for p, f in mtp.NATIVE_QUANT.items()}}
     out = {}
 
     def decide(path, leaf):
@@ -120,7 +124,7 @@ def storage_layout(plan, dtype: str) -> dict[tuple, tuple[str, object]]:
         else:
             kinds = plan.sources.get(path, set())
             fmts = {k.split(":")[0] for k in kinds}
-            if path in NATIVE_QUANT and len(fmts) == 1 and next(iter(fmts)) in ("fp8", "fp4"):
+            if path in formats and len(fmts) == 1 and next(iter(fmts)) in ("fp8", "fp4"):
                 out[path] = (next(iter(fmts)), None)
             elif kinds and kinds <= {"BF16", "fp8", "fp4"}:  # bf16 holds these exactly (E8M0 scales)
                 out[path] = ("float", np.dtype(ml_dtypes.bfloat16))
@@ -147,19 +151,18 @@ def nonfinite_counts(arr: np.ndarray, block: int = 1 << 22) -> tuple[int, int]:
     return nan, inf
 
 
-def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str, progress, *, native: bool,
-                  mtp_dtype) -> tuple[int, int, dict[str, tuple[int, int]]]:
+def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str,
+                  progress) -> tuple[int, int, dict[str, tuple[int, int]]]:
     """Streams every tensor into the two Orbax checkpoints; returns (mtp tensor count, bytes
     written, {tensor name: (NaN, infinite) counts} of the tensors holding any, as written: the
     dense values, or a quantized leaf's stored values and scales)."""
     from dsv4_jax.checkpoint.store import CheckpointWriter
 
     writer = CheckpointWriter(params_dir)
-    mtp_writer = CheckpointWriter(mtp_dir) if plan.mtp_names else None
+    mtp_writer = CheckpointWriter(mtp_dir) if plan.has_mtp else None
     nonfinite: dict[str, tuple[int, int]] = {}
     try:
-        n_mtp = _write_tensors(plan, layout, writer, mtp_writer, nonfinite, progress, native=native,
-                               mtp_dtype=mtp_dtype)
+        n_mtp = _write_tensors(plan, layout, writer, mtp_writer, nonfinite, progress)
         writer.close()
         if mtp_writer is not None:
             mtp_writer.close()
@@ -171,8 +174,7 @@ def _write_params(plan, layout: dict, params_dir: str, mtp_dir: str, progress, *
     return n_mtp, writer.bytes_written + (mtp_writer.bytes_written if mtp_writer else 0), nonfinite
 
 
-def _write_tensors(plan, layout: dict, writer, mtp_writer, nonfinite: dict, progress, *, native: bool,
-                   mtp_dtype) -> int:
+def _write_tensors(plan, layout: dict, writer, mtp_writer, nonfinite: dict, progress) -> int:
     """The body of `_write_params`: creates the arrays, then writes each tensor as it is read,
     counting its NaN and infinite values into `nonfinite`; returns the mtp tensor count."""
     from dsv4_jax.model.params import map_spec
@@ -186,33 +188,31 @@ def _write_tensors(plan, layout: dict, writer, mtp_writer, nonfinite: dict, prog
             nonfinite[name] = (n0 + nan, i0 + inf)
         w.write(path, index, arr)
 
-    map_spec(lambda path, leaf: writer.create(path, layout[path][0], leaf[0], dtype=layout[path][1],
-                                              lead=_lead(path)), plan.spec)
+    def place(path):  # the checkpoint a leaf goes to, and its path there
+        return (mtp_writer, path[1:]) if path[0] == MTP_DIR else (writer, path)
+
+    def create(path, leaf):
+        w, local = place(path)
+        w.create(local, layout[path][0], leaf[0], dtype=layout[path][1], lead=_lead(path))
+
+    map_spec(create, plan.spec)
     n_mtp = 0
     for name, path, index, src in iter_sources(plan, progress):
-        if path is None:  # mtp: raw tensors as stored; quantized ones kept (native) or dequantized
-            n_mtp += 1
-            mpath = tuple(name.split("."))  # nested by the name's parts: directories keep the name
-            if src.fmt != "raw" and native:
-                mtp_writer.create(mpath, src.fmt, _logical_shape(src), lead=0)
-                write(mtp_writer, name, mpath + ("values",), (), _stored_values(src))
-                write(mtp_writer, name, mpath + ("scale",), (), src.scale)
-            else:
-                arr = src.data if src.fmt == "raw" else src.dense(mtp_dtype)
-                mtp_writer.create(mpath, "int" if arr.dtype.kind in "iub" else "float", arr.shape, dtype=arr.dtype)
-                write(mtp_writer, name, mpath, (), arr)
-            continue
-        kind, dt = layout[path]
+        (kind, dt), (w, local) = layout[path], place(path)
+        n_mtp += w is mtp_writer
         if kind in ("fp8", "fp4"):
-            write(writer, name, path + ("values",), index, _stored_values(src))
-            write(writer, name, path + ("scale",), index, src.scale)
+            write(w, name, local + ("values",), index, _stored_values(src))
+            write(w, name, local + ("scale",), index, src.scale)
         else:
-            write(writer, name, path, index, src.dense(dt))
+            write(w, name, local, index, src.dense(dt))
     return n_mtp
 
 
 def _lead(path) -> int:
-    """Leading stacked axes of a leaf: layers (and experts) / per-kind stacks; 0 at the top."""
+    """Leading stacked axes of a leaf: layers (and experts) / per-kind stacks; the MTP block's
+    experts; 0 at the top."""
+    if path[:2] == (MTP_DIR, "ffn"):
+        return int(path[2] in ("w1", "w2", "w3"))
     if path[0] in ("layers", "csa", "hca", "tid2eid", "gate_bias"):
         return 2 if path[:2] == ("layers", "ffn") and path[2] in ("w1", "w2", "w3") else 1
     return 0
@@ -221,11 +221,6 @@ def _lead(path) -> int:
 def _stored_values(src) -> np.ndarray:
     """A quantized Source's values as stored: FP4's packed bytes as uint8, FP8's e4m3 as they are."""
     return src.data.view(np.uint8) if src.fmt == "fp4" else src.data
-
-
-def _logical_shape(src) -> tuple:
-    s = tuple(src.data.shape)
-    return s[:-1] + (2 * s[-1],) if src.fmt == "fp4" else s
 
 
 @dataclasses.dataclass
@@ -351,8 +346,6 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", layers: int |
     Raises on error, leaving neither out_dir nor the parents it created behind (an existing
     out_dir replaced with `overwrite` is only removed once the new one is complete). Streams:
     one tensor (and its scale) is read, converted and written at a time."""
-    import ml_dtypes
-
     from dsv4_jax.model.config import ModelConfig
 
     from dsv4_jax.checkpoint.load_hf import plan_checkpoint
@@ -377,8 +370,7 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", layers: int |
     created, tmp = _make_work_dir(out_dir)
     try:
         n_mtp, nbytes, nonfinite = _write_params(
-            plan, layout, os.path.join(tmp, PARAMS_DIR), os.path.join(tmp, MTP_DIR), progress,
-            native=dtype == "native", mtp_dtype=np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+            plan, layout, os.path.join(tmp, PARAMS_DIR), os.path.join(tmp, MTP_DIR), progress)
         hf_files.copy_files(hf_dir, tmp, copied)
         meta = {"dsv4_jax": cfg.to_dict(), "converted_from": os.path.abspath(hf_dir),
                 "layers_converted": cfg.num_layers, "dtype": dtype, "mtp_tensors": n_mtp, "copied_files": copied}

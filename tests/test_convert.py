@@ -17,10 +17,11 @@ from hf_oracle import TINY
 import dsv4_jax
 from dsv4_jax.checkpoint import quant
 from convert.cli import convert, main
-from dsv4_jax.checkpoint.export_hf import official_config
-from dsv4_jax.checkpoint.names import checkpoint_layout
+from dsv4_jax.checkpoint.export_hf import official_config, official_tensors
+from dsv4_jax.checkpoint.names import checkpoint_layout, mtp_checkpoint_layout
 from dsv4_jax.checkpoint.safetensors_io import iter_file, write_safetensors
-from dsv4_jax.checkpoint.loading import load_mtp
+from dsv4_jax.model.mtp import mtp_param_spec
+from dsv4_jax.tools.random_checkpoint import mtp_tensors
 from dsv4_jax.model.quantized import QuantizedWeight
 
 CFG = dsv4_jax.ModelConfig.from_hf(TINY)
@@ -167,13 +168,6 @@ def _published_form(name, arr):
     return {name: b}, b.astype(np.float32)
 
 
-def _mtp_tensors(rng):
-    D, I = CFG.hidden_size, CFG.moe_intermediate_size
-    return {"mtp.0.e_proj.weight": 0.05 * rng.standard_normal((D, D)),
-            "mtp.0.enorm.weight": 1 + 0.1 * rng.standard_normal(D),
-            "mtp.0.ffn.experts.0.w1.weight": 0.05 * rng.standard_normal((I, D))}
-
-
 def write_quantized_checkpoint(params, directory, num_shards=3, seed=0):
     """Official naming, FP8 linears and FP4 experts; returns {official name: float32 reference}."""
     os.makedirs(directory, exist_ok=True)
@@ -186,8 +180,7 @@ def write_quantized_checkpoint(params, directory, num_shards=3, seed=0):
         for k in path:
             leaf = leaf[k]
         items.append((name, np.asarray(leaf[index] if index else leaf)))
-    rng = np.random.default_rng(seed)
-    items += list(_mtp_tensors(rng).items())
+    items += list(mtp_tensors(CFG, seed=seed).items())
     for name, arr in items:
         if name == "mtp.0.e_proj.weight":
             q, s = quant.quantize_fp8(arr.astype(np.float32))
@@ -254,7 +247,7 @@ def test_converted_params_equal_dequantized(converted, quantized):
             leaf = leaf[k]
         got = np.asarray(leaf[index] if index else leaf)
         np.testing.assert_array_equal(got, ref[name].astype(got.dtype), err_msg=name)
-    mtp = load_mtp(converted)
+    mtp = official_tensors(dsv4_jax.load_mtp_params(converted), CFG, mtp_block=True)
     assert sorted(mtp) == sorted(n for n in ref if n.startswith("mtp."))
     for n, a in mtp.items():
         np.testing.assert_array_equal(a, ref[n], err_msg=n)
@@ -490,12 +483,15 @@ def native(quantized, tmp_path_factory):
 
 
 def test_native_keeps_quantized_leaves(native, converted):
+    from dsv4_jax.model.mtp import NATIVE_QUANT as mtp_native_quant
     from dsv4_jax.model.params import NATIVE_QUANT
     from dsv4_jax.model.quantized import QuantizedWeight, dequantize_tree, is_quantized
 
     meta = json.loads((native / "config.json").read_text())
     assert meta["dtype"] == "native"
-    assert meta["quantized"] == {".".join(p): f for p, f in NATIVE_QUANT.items()}
+    assert meta["quantized"] == {".".join(p): f for p, f in NATIVE_QUANT.items()} | {
+        "mtp." + ".".join(p): f for p, f in mtp_native_quant.items()
+        if p != ("h_proj",)}  # the MTP block's under its state path; this source stores h_proj in bf16
     model = dsv4_jax.load(native)
     p = model.params
     w1, wq_b = p["layers"]["ffn"]["w1"], p["csa"]["indexer"]["wq_b"]
@@ -559,7 +555,8 @@ def test_native_decode_with_per_layer_weights(native, converted, monkeypatch):
 
 def test_native_mtp_and_float_source(native, quantized, tmp_path):
     _, ref, _ = quantized
-    mtp = load_mtp(native)
+    mtp = official_tensors(dsv4_jax.load_mtp_params(native), CFG, mtp_block=True)
+    assert sorted(mtp) == sorted(n for n in ref if n.startswith("mtp."))
     for n, a in mtp.items():
         np.testing.assert_array_equal(a, ref[n], err_msg=n)
     # a float (unquantized) source stays float in native mode, in the dtype it is stored in
@@ -596,7 +593,7 @@ def test_conversion_streams(quantized, tmp_path, monkeypatch):
     monkeypatch.setattr(CheckpointWriter, "write", spy)
     convert(str(quantized[0]), str(tmp_path / "o"), dtype="bfloat16")
     layout = checkpoint_layout(CFG)
-    assert len(writes) == len(layout) + 3  # one write per tensor (+ the 3 mtp tensors)
+    assert len(writes) == len(layout) + len(mtp_checkpoint_layout(CFG))  # one write per tensor, MTP's too
     spec = dsv4_jax.param_spec(CFG)
     largest_slice = 0
     for path, index in layout.values():
@@ -630,7 +627,8 @@ def test_params_restore_with_plain_orbax(converted, native, quantized):
     # native: the quantized leaves are {values, scale} holding the source's stored bytes
     raw = {}
     for name in ("layers.2.ffn.experts.5.w1.weight", "layers.2.ffn.experts.5.w1.scale",
-                 "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale"):
+                 "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale",
+                 "mtp.0.ffn.experts.5.w1.weight", "mtp.0.ffn.experts.5.w1.scale"):
         raw[name] = dict(iter_file(str(src / weight_map[name])))[name]
     w1 = qtree["layers"]["ffn"]["w1"]
     assert sorted(w1) == ["scale", "values"]
@@ -640,12 +638,13 @@ def test_params_restore_with_plain_orbax(converted, native, quantized):
     assert wq_b["values"].dtype == ml_dtypes.float8_e4m3fn
     np.testing.assert_array_equal(wq_b["values"][1].view(np.uint8), raw["layers.1.attn.wq_b.weight"].view(np.uint8))
     np.testing.assert_array_equal(wq_b["scale"][1], raw["layers.1.attn.wq_b.scale"].astype(np.float32))
-    # mtp/: the tree nested by the names' parts, a quantized tensor as {values, scale}
-    assert sorted(mtp["mtp"]["0"]) == ["e_proj", "enorm", "ffn"]
-    assert sorted(mtp["mtp"]["0"]["e_proj"]["weight"]) == ["scale", "values"]
-    np.testing.assert_array_equal(mtp["mtp"]["0"]["enorm"]["weight"].astype(np.float32),
-                                  ref["mtp.0.enorm.weight"])
-    assert "mtp.0.e_proj.weight.values" in os.listdir(native / "mtp")
+    # mtp/: the MTP block's tree (nnx.state(model.mtp)), experts stacked, quantized leaves as {values, scale}
+    assert set(mtp) == set(mtp_param_spec(CFG))
+    assert sorted(mtp["e_proj"]) == ["scale", "values"]
+    np.testing.assert_array_equal(mtp["enorm"].astype(np.float32), ref["mtp.0.enorm.weight"])
+    np.testing.assert_array_equal(mtp["ffn"]["w1"]["values"][5], raw["mtp.0.ffn.experts.5.w1.weight"].view(np.uint8))
+    np.testing.assert_array_equal(mtp["ffn"]["w1"]["scale"][5], raw["mtp.0.ffn.experts.5.w1.scale"].view(np.uint8))
+    assert "e_proj.values" in os.listdir(native / "mtp")
     assert not (converted / "params" / "index.json").exists()
 
 
@@ -753,10 +752,10 @@ def test_orbax_saved_checkpoint_loads(converted, tmp_path):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    m1, m2 = load_mtp(out), load_mtp(converted)
-    assert sorted(m1) == sorted(m2)
-    for n in m1:
-        np.testing.assert_array_equal(m1[n], m2[n])
+    m1, m2 = dsv4_jax.load_mtp_params(out), dsv4_jax.load_mtp_params(converted)
+    assert jax.tree.structure(m1) == jax.tree.structure(m2)
+    for a, b in zip(jax.tree.leaves(m1), jax.tree.leaves(m2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_all_zero_tensors_are_stored(quantized, tmp_path):

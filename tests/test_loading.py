@@ -1,9 +1,9 @@
 """dsv4_jax.load: both namings, sharded checkpoints, mtp tensors, and the errors on bad input."""
 
 import json
-import logging
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -82,13 +82,21 @@ def test_hybrid_naming_loads_the_same(ckpt, params):
                                   np.asarray(dsv4_jax.DeepseekV4(params, CFG)(ids)))
 
 
-def test_mtp_tensors_are_recognised(ckpt, caplog):
-    extra = {"mtp.0.enorm.weight": np.ones(CFG.hidden_size, np.float32),
-             "mtp.0.e_proj.weight": np.ones((CFG.hidden_size, CFG.hidden_size), np.float32)}
+def test_mtp_tensors_are_recognised(ckpt, params):
+    """The MTP block's tensors, added to the first shard of a checkpoint whose config has one:
+    the main model loads as without them, `mtp=True` adds the block, read by its names."""
+    from dsv4_jax.checkpoint.export_hf import official_tensors
+    from dsv4_jax.tools.random_checkpoint import mtp_tensors
+
+    extra = mtp_tensors(CFG, seed=1)
     _rewrite(ckpt, lambda shard, t: {**t, **extra} if shard.startswith("model-00001") else t)
-    with caplog.at_level(logging.INFO, logger="dsv4_jax"):
-        dsv4_jax.load(ckpt)
-    assert "2 mtp.* tensors" in caplog.text
+    model = dsv4_jax.load(ckpt, mtp=True)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = official_tensors(model.mtp.params, CFG, mtp_block=True)
+    assert set(got) == set(extra)
+    for name, arr in got.items():
+        np.testing.assert_array_equal(arr, extra[name], err_msg=name)
 
 
 def test_missing_tensor(ckpt):

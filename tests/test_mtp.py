@@ -9,6 +9,8 @@ rope base, routing, stream mixing or window) moves logits by 1e-2 or more.
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -29,7 +31,9 @@ from dsv4_jax.model import mtp  # noqa: E402
 from dsv4_jax.model.cache import init_cache, put_rows, reset_rows, take_rows  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import lm_logits, step  # noqa: E402
 from dsv4_jax.model.quantized import QuantizedWeight, dequantize_tree, is_quantized  # noqa: E402
-from dsv4_jax.checkpoint.names import mtp_checkpoint_layout  # noqa: E402
+from dsv4_jax.checkpoint.export_hf import official_tensors  # noqa: E402
+from dsv4_jax.checkpoint.load_hf import read_source  # noqa: E402
+from dsv4_jax.checkpoint.safetensors_io import scan_checkpoint  # noqa: E402
 from dsv4_jax.tools.random_checkpoint import mtp_tensors  # noqa: E402
 
 D_CFG = H.TINY  # window 8, hc 4, 8 experts top-2, swiglu limit 0.5
@@ -284,15 +288,11 @@ def test_tree_matches_the_checkpoint_names(checkpoints):
     tensors read back through the float32 conversion: e_proj / h_proj / linears FP8-rounded,
     experts FP4-rounded, the rest as written)."""
     hf, f32, _ = checkpoints
-    tree = dsv4_jax.load_mtp_params(f32)
-    stored = dsv4_jax.checkpoint.loading.load_mtp(f32)
-    assert len(stored) == len(mtp_checkpoint_layout(CFG))
-    for name, (path, index) in mtp_checkpoint_layout(CFG).items():
-        leaf = tree
-        for k in path:
-            leaf = leaf[k]
-        np.testing.assert_array_equal(np.asarray(leaf)[index] if index else np.asarray(leaf),
-                                      stored[name].astype(np.float32), err_msg=name)
+    by_name = official_tensors(dsv4_jax.load_mtp_params(f32), CFG, mtp_block=True)
+    entries = scan_checkpoint(str(hf))
+    assert set(by_name) == {n for n in entries if n.startswith("mtp.") and not n.endswith(".scale")}
+    for name, arr in by_name.items():
+        np.testing.assert_array_equal(arr, read_source(name, entries).dense(np.float32), err_msg=name)
 
 
 def _hf_with(directory, tensors: dict) -> str:
@@ -306,9 +306,11 @@ def _hf_with(directory, tensors: dict) -> str:
     ("misshapen", r"'mtp.0.e_proj.weight' has shape \[32, 33\], the config expects \[32, 32\]"),
     ("unexpected", r"unexpected MTP tensor 'mtp.0.ffn.gate.tid2eid'"),
     ("second block", r"unexpected MTP tensor 'mtp.1.enorm.weight'"),
-    ("integer", r"'mtp.0.norm.weight' has dtype int64, a float is expected"),
+    ("integer", r"'mtp.0.norm.weight' has dtype I64, a float is expected"),
 ])
 def test_bad_checkpoints(case, message, tmp_path):
+    """A bad MTP block is one error naming the tensor, from load_mtp_params, from load (the whole
+    checkpoint is checked before anything is read) and from dsv4-convert (nothing written)."""
     tensors = mtp_tensors(CFG, seed=2)
     if case == "none":
         tensors = {}
@@ -322,8 +324,35 @@ def test_bad_checkpoints(case, message, tmp_path):
         tensors["mtp.1.enorm.weight"] = tensors["mtp.0.enorm.weight"]
     else:
         tensors["mtp.0.norm.weight"] = np.ones(CFG.hidden_size, np.int64)
+    hf = _hf_with(tmp_path / "hf", tensors)
     with pytest.raises(CheckpointError, match=message):
-        dsv4_jax.load_mtp_params(_hf_with(tmp_path / "hf", tensors))
+        dsv4_jax.load_mtp_params(hf)
+    if case == "none":
+        return
+    with pytest.raises(CheckpointError, match=message):
+        dsv4_jax.load(hf)
+    with pytest.raises(CheckpointError, match=message):
+        convert(hf, str(tmp_path / "out"), dtype="float32")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_earlier_mtp_directory_says_convert_again(checkpoints, tmp_path):
+    """An mtp/ by checkpoint names (what dsv4-convert wrote before the block's state tree) is one
+    line saying to convert again; the main model in the same directory loads as before."""
+    from dsv4_jax.checkpoint.store import CheckpointWriter
+
+    _, f32, _ = checkpoints
+    old = tmp_path / "old"
+    shutil.copytree(f32, old)
+    shutil.rmtree(old / "mtp")
+    writer = CheckpointWriter(str(old / "mtp"))
+    writer.create(("mtp", "0", "enorm", "weight"), "float", (CFG.hidden_size,), dtype=np.dtype(np.float32))
+    writer.write(("mtp", "0", "enorm", "weight"), (), np.ones(CFG.hidden_size, np.float32))
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"holds the MTP tensors by checkpoint name .*: convert it again$"):
+        dsv4_jax.load(old, mtp=True)
+    for a, b in zip(jax.tree.leaves(dsv4_jax.load(old).params), jax.tree.leaves(dsv4_jax.load(f32).params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_converted_without_mtp_is_an_error(tmp_path):

@@ -73,12 +73,12 @@ def test_param_state_holds_every_parameter(converted):
 
 
 def test_orbax_stores_the_state(converted):
-    """What the converter writes in params/ is nnx.state(model) without the MTP block (which
-    mtp/ keeps by its checkpoint names): plain Orbax restores it, tree and values."""
+    """What the converter writes is nnx.state(model): params/ the main model's, mtp/ the MTP
+    block's (`model.mtp`); plain Orbax restores both, tree and values."""
     model = dsv4_jax.load(converted[1], mtp=True)
     state = nnx.to_pure_dict(nnx.state(model))
-    del state["mtp"]
-    stored = ocp.StandardCheckpointer().restore(converted[1] / "params")
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = {**ckptr.restore(converted[1] / "params"), "mtp": ckptr.restore(converted[1] / "mtp")}
     assert jax.tree.structure(stored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

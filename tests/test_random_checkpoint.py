@@ -18,7 +18,7 @@ from convert.cli import convert
 from dsv4_jax.checkpoint.names import checkpoint_layout
 from dsv4_jax.checkpoint.safetensors_io import scan_checkpoint
 from dsv4_jax.tools import random_checkpoint as rc
-from dsv4_jax.checkpoint.loading import load_mtp
+from dsv4_jax.checkpoint.export_hf import official_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIALS = {rc.BOS: 0, rc.EOS: 1, rc.USER: None, rc.ASSISTANT: None, rc.THINK: None, rc.END_THINK: None}
@@ -56,7 +56,8 @@ def test_converts_loads_and_generates(tiny, tmp_path):
     convert(tiny, str(out))  # bfloat16 (its programs compile faster than a native one's)
     want = {"params", "mtp", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
     assert want <= set(os.listdir(out))
-    mtp = load_mtp(out)  # the mtp tensors land in mtp/, each with its logical shape
+    cfg = dsv4_jax.ModelConfig.from_hf(out)
+    mtp = official_tensors(dsv4_jax.load_mtp_params(out), cfg, mtp_block=True)  # the block in mtp/
     assert set(mtp) == hf_mtp
     entries = scan_checkpoint(tiny)
     for name, arr in mtp.items():

@@ -97,7 +97,7 @@ def test_named_apis_exist():
     bound to its signature unless written `name(...)`."""
     names = {n for n in re.findall(r"\b((?:%s)(?:\.\w+)+)(?![\w/])" % "|".join(PACKAGES), README)
              if not _is_file_name(n)}
-    assert {"dsv4_jax.index_cache_schedule", "dsv4_jax.checkpoint.loading.load_mtp"} <= names
+    assert {"dsv4_jax.index_cache_schedule", "dsv4_jax.checkpoint.loading.load_mtp_params"} <= names
     for dotted in sorted(names):
         _resolve(dotted)  # raises if missing
     checked_calls = set()

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from dsv4_jax.model.config import ModelConfig
+from dsv4_jax.model.quantized import is_quantized
 from . import quant
-from .names import checkpoint_layout
+from .names import checkpoint_layout, mtp_checkpoint_layout
 from .safetensors_io import write_safetensors
 
 
@@ -52,14 +54,17 @@ FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "
                "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "e_proj", "h_proj")
 
 
-def official_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The main model's tensors by official name (numpy arrays, as the tree holds them)."""
+def official_tensors(params: dict, cfg: ModelConfig, *, mtp_block: bool = False) -> dict[str, np.ndarray]:
+    """The main model's tensors by official name (numpy arrays, as the tree holds them; a
+    QuantizedWeight dequantized to float32); with `mtp_block`, those of the MTP block's tree
+    (mtp.mtp_param_spec's, e.g. `load_mtp_params`'), `mtp.0.*`."""
     out = {}
-    for name, (path, index) in checkpoint_layout(cfg).items():
+    for name, (path, index) in (mtp_checkpoint_layout if mtp_block else checkpoint_layout)(cfg).items():
         leaf = params
         for k in path:
             leaf = leaf[k]
-        out[name] = np.asarray(leaf[index] if index else leaf)
+        leaf = leaf[index] if index else leaf
+        out[name] = np.asarray(leaf.dequantize(jnp.float32) if is_quantized(leaf) else leaf)
     return out
 
 

@@ -7,13 +7,14 @@ quantized weights without a valid scale, dtypes) before any data is read. `iter_
 streams the tensors one at a time (a quantized weight together with its scale, as a `Source`),
 checking what only the data can tell (NaN scales, expert ids). `read_hf_checkpoint` fills a
 parameter tree from them, dequantized exactly (dsv4_jax/checkpoint/quant.py) and rounded once to the target
-dtype; the converter (convert/cli.py) writes them to disk as they come instead.
+dtype; the converter (convert/cli.py) writes them to disk as they come instead. The MTP block's
+`mtp.*` tensors are planned and checked with the rest and placed under "mtp" in the block's own
+tree (mtp.mtp_param_spec), as `nnx.state(model)` holds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from typing import Callable, Iterator, NamedTuple
 
@@ -21,17 +22,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dsv4_jax.model import mtp
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.params import INT, is_spec_leaf, leaf_dtype, map_spec, param_spec
 from . import quant
-from .names import checkpoint_layout, is_mtp, official_name
+from .names import checkpoint_layout, is_mtp, mtp_checkpoint_layout, official_name
 from .safetensors_io import CheckpointError, TensorEntry, read_tensor, scan_checkpoint
-
-log = logging.getLogger("dsv4_jax")
 
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _QUANT_DTYPES = ("F8_E4M3", "I8")
+MTP = "mtp"  # the MTP block's subtree in a plan's spec, as in `nnx.state(model)`
 
 
 def _spec_at(spec, path):
@@ -161,20 +162,27 @@ class Plan:
     directory: str
     cfg: ModelConfig
     entries: dict[str, TensorEntry]
-    spec: dict
-    todo: list[tuple[str, tuple | None, tuple]]  # (name, leaf path or None for mtp, stacked index)
+    spec: dict  # param_spec, and under "mtp" the MTP block's (mtp.mtp_param_spec) when it has one
+    todo: list[tuple[str, tuple, tuple]]  # (name, leaf path, stacked index); an MTP leaf's path starts "mtp"
     sources: dict[tuple, set]  # leaf path -> source kinds of its tensors
     total_bytes: int
 
     @property
-    def mtp_names(self) -> list[str]:
-        return [n for n, path, _ in self.todo if path is None]
+    def has_mtp(self) -> bool:
+        return MTP in self.spec
+
+    def part(self, tree: str) -> "Plan":
+        """The plan of the main model's tensors (tree "params") or of the MTP block's ("mtp")."""
+        keep = [t for t in self.todo if (t[1][0] == MTP) == (tree == MTP)]
+        return dataclasses.replace(self, todo=keep, total_bytes=sum(tensor_nbytes(n, self.entries) for n, _, _ in keep))
 
 
 def plan_checkpoint(directory: str, cfg: ModelConfig, *, skip_layers_from: int | None = None) -> Plan:
-    """Reads the headers and checks every tensor against the config without reading any data.
-    A tensor that is missing, unexpected or of the wrong shape or dtype, or a quantized weight
-    without a valid scale, raises CheckpointError naming it."""
+    """Reads the headers and checks every tensor against the config without reading any data:
+    the main model's (names.checkpoint_layout) and, when the checkpoint has any `mtp.*` tensor,
+    the whole MTP block's (names.mtp_checkpoint_layout, placed under "mtp"). A tensor that is
+    missing, unexpected or of the wrong shape or dtype, or a quantized weight without a valid
+    scale, raises CheckpointError naming it."""
     entries = scan_checkpoint(directory)
     spec = param_spec(cfg)
     layout = checkpoint_layout(cfg)
@@ -190,6 +198,9 @@ def plan_checkpoint(directory: str, cfg: ModelConfig, *, skip_layers_from: int |
             if m and int(m.group(1)) >= skip_layers_from:
                 continue
         names.append(name)
+    if any(is_mtp(n) for n in names):
+        spec[MTP] = mtp.mtp_param_spec(cfg)
+        layout.update({name: ((MTP,) + path, index) for name, (path, index) in mtp_checkpoint_layout(cfg).items()})
 
     todo = []
     sources: dict[tuple, set] = {}
@@ -199,13 +210,11 @@ def plan_checkpoint(directory: str, cfg: ModelConfig, *, skip_layers_from: int |
         entry = entries[name]
         path = entry.path
         total += tensor_nbytes(name, entries)
-        if is_mtp(name):
-            check_tensor(name, entries)
-            todo.append((name, None, ()))
-            continue
         official = official_name(name)
         if official not in layout:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of this model's config)")
+            what = ("MTP tensor", "not part of the block mtp.0 this config describes") if is_mtp(name) else \
+                ("tensor", "not part of this model's config")
+            raise CheckpointError(f"{path}: unexpected {what[0]} {name!r} ({what[1]})")
         if official in seen:
             raise CheckpointError(f"{path}: tensor {name!r} appears twice in the checkpoint")
         seen.add(official)
@@ -231,20 +240,20 @@ def plan_checkpoint(directory: str, cfg: ModelConfig, *, skip_layers_from: int |
     missing = [n for n in layout if n not in seen]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{directory}: missing tensors {missing[:5]}{more}")
+        what = "MTP tensors" if all(is_mtp(n) for n in missing) else "tensors"
+        raise CheckpointError(f"{directory}: missing {what} {missing[:5]}{more}")
     return Plan(directory, cfg, entries, spec, todo, sources, total)
 
 
 def iter_sources(plan: Plan, progress: Callable[..., None] | None = None
                  ) -> Iterator[tuple[str, tuple | None, tuple, Source]]:
-    """Yields (name, leaf path or None for an mtp tensor, stacked index, Source) one tensor at a
-    time, in checkpoint order. `progress(done, total, bytes_read, total_bytes)` follows each."""
+    """Yields (name, leaf path, stacked index, Source) one tensor at a time, in checkpoint order. `progress(done, total, bytes_read, total_bytes)` follows each."""
     entries, cfg = plan.entries, plan.cfg
     nbytes = 0
     for done, (name, leaf_path, index) in enumerate(plan.todo, 1):
         entry = entries[name]
         src = read_source(name, entries)
-        if leaf_path is not None and _spec_at(plan.spec, leaf_path)[1] == INT:
+        if _spec_at(plan.spec, leaf_path)[1] == INT:
             arr = src.data
             if arr.min(initial=0) < 0 or arr.max(initial=0) >= cfg.n_routed_experts:
                 raise CheckpointError(
@@ -255,28 +264,24 @@ def iter_sources(plan: Plan, progress: Callable[..., None] | None = None
             progress(done, len(plan.todo), nbytes, plan.total_bytes)
 
 
-def read_hf_checkpoint(directory: str, cfg: ModelConfig, dtype=jnp.float32, *, skip_layers_from: int | None = None,
-                       progress: Callable[..., None] | None = None) -> tuple[dict, dict]:
-    """Reads every tensor of the main model into freshly allocated host arrays.
-
-    Returns (params as numpy arrays in their target dtypes, the `mtp.*` tensors kept aside, by
-    name, quantized ones dequantized to `dtype`). A tensor that is missing, unexpected or of the
-    wrong shape, or a quantized weight without its scale, raises CheckpointError naming it.
-    `skip_layers_from=N` ignores the tensors of main layers >= N (for converting a prefix of the
-    layers; cfg must then describe N layers). `progress(done, total, bytes_read, total_bytes)` is
-    called after each tensor.
+def read_hf_checkpoint(directory: str, cfg: ModelConfig, dtype=jnp.float32, *, tree: str = "params",
+                       skip_layers_from: int | None = None, progress: Callable[..., None] | None = None) -> dict:
+    """Reads every tensor of the main model (`tree="params"`: the parameter tree) or of its MTP
+    block (`tree="mtp"`: mtp.mtp_param_spec's tree, {} when the checkpoint has none) into freshly
+    allocated host arrays in their target dtypes, dequantized exactly. The whole checkpoint is
+    checked first (`plan_checkpoint`): a tensor that is missing, unexpected or of the wrong shape,
+    or a quantized weight without its scale, raises CheckpointError naming it.
+    `skip_layers_from=N` ignores the tensors of main layers >= N (cfg must then describe N
+    layers). `progress(done, total, bytes_read, total_bytes)` is called after each tensor.
     """
     plan = plan_checkpoint(directory, cfg, skip_layers_from=skip_layers_from)
-    buffers = map_spec(lambda path, leaf: np.empty(leaf[0], _np_dtype(leaf_dtype(leaf[1], dtype))), plan.spec)
-    mtp: dict[str, np.ndarray] = {}
-    for name, leaf_path, index, src in iter_sources(plan, progress):
-        if leaf_path is None:
-            mtp[name] = np.array(src.data if src.fmt == "raw" else src.dense(dtype))
-            continue
+    if tree == MTP and not plan.has_mtp:
+        return {}
+    spec = plan.spec[MTP] if tree == MTP else {k: v for k, v in plan.spec.items() if k != MTP}
+    buffers = map_spec(lambda path, leaf: np.empty(leaf[0], _np_dtype(leaf_dtype(leaf[1], dtype))), spec)
+    for name, leaf_path, index, src in iter_sources(plan.part(tree), progress):
         target = buffers
-        for k in leaf_path:
+        for k in leaf_path[1:] if tree == MTP else leaf_path:
             target = target[k]
         target[index] = src.dense(target.dtype)  # fp32 leaves dequantize to fp32
-    if mtp:
-        log.info("kept %d mtp.* tensors aside (multi-token prediction is not used for decoding)", len(mtp))
-    return buffers, mtp
+    return buffers

@@ -8,7 +8,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from dsv4_jax.model import mtp, sharding as sh
@@ -18,9 +17,8 @@ from dsv4_jax.model.deepseek_v4 import DeepseekV4, with_options
 from dsv4_jax.model.params import _get, leaf_dtype, map_spec, param_spec
 from dsv4_jax.model.quantized import QuantizedWeight, storage_shapes
 from dsv4_jax.model.sharding import matrix_axes
-from .load_hf import Source, read_hf_checkpoint, read_source
-from .names import is_mtp, mtp_checkpoint_layout
-from .safetensors_io import CheckpointError, scan_checkpoint
+from .load_hf import MTP, read_hf_checkpoint
+from .safetensors_io import CheckpointError
 from .store import FORMAT, METADATA, read_custom_metadata
 
 PARAMS_DIR = "params"
@@ -84,10 +82,7 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
         raise ValueError("`layout` needs a `mesh`")
     model = _load(path, cfg, dtype, sharding)
     if mtp:
-        block = load_mtp_params(path, dtype)
-        if mesh is not None:
-            block = jax.device_put(block, sh.mtp_shardings(block, mesh, cfg.layout))
-        model.mtp = MTPBlock(block)
+        model.mtp = MTPBlock(_load_mtp(path, cfg, dtype, mesh))
     model.mesh = mesh
     return model
 
@@ -99,7 +94,7 @@ def _load(path: str, cfg: ModelConfig, dtype, sharding) -> DeepseekV4:
         raise _damaged(f"{os.path.join(path, PARAMS_DIR)} is missing: {path} is an incomplete dsv4-convert output; "
                        f"convert it again")
 
-    params, _mtp = read_hf_checkpoint(path, cfg, dtype)
+    params = read_hf_checkpoint(path, cfg, dtype)
     if sharding is None:
         return DeepseekV4(jax.tree.map(jnp.asarray, params), config=cfg)
 
@@ -226,12 +221,30 @@ def _orbax_restore(directory: str, restore):
 def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
     """The params/ Orbax checkpoint restored by Orbax onto `sharding` (each device reads its
     own shard), the values / scale subtrees of a native conversion as QuantizedWeights."""
+    return _restore_tree(os.path.join(path, PARAMS_DIR), param_spec(cfg), dtype, sharding, _quantized(path, PARAMS_DIR))
+
+
+def _quantized(path: str, tree: str) -> dict[str, str]:
+    """The leaves of `tree` (params/ or mtp/) a native conversion kept quantized, dotted path
+    within that tree -> "fp8" | "fp4" (config.json's "quantized", where the MTP block's leaves
+    are named as in `nnx.state(model)`: "mtp.attn.wq_a")."""
+    quantized = _read_json(os.path.join(path, "config.json"), path).get("quantized") or {}
+    mine = {k.removeprefix(MTP_DIR + "."): v for k, v in quantized.items() if k.startswith(MTP_DIR + ".")}
+    return mine if tree == MTP_DIR else {k: v for k, v in quantized.items() if not k.startswith(MTP_DIR + ".")}
+
+
+def _restore_tree(directory: str, spec: dict, dtype, sharding, quantized: dict[str, str],
+                  axes_root: tuple = ()) -> dict:
+    """One of our Orbax checkpoints (params/, mtp/) restored by Orbax as the tree `spec`
+    describes, onto `sharding` (one Sharding, a function (dotted name, stored shape) -> Sharding,
+    or None: the first device), `quantized`'s leaves as QuantizedWeights. `axes_root` is put
+    before a leaf's path to name its axes (the MTP block's leaves are a main layer's)."""
     import orbax.checkpoint as ocp  # here, not at import: it is most of dsv4_jax's import time
 
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pdir = os.path.abspath(os.path.join(path, PARAMS_DIR))
-    quantized = _read_json(os.path.join(path, "config.json"), path).get("quantized") or {}
+    pdir = os.path.abspath(directory)
+    root = ".".join(axes_root + ("",)) if axes_root else ""
     want: dict[tuple, tuple] = {}
 
     def target(p, spec_leaf):
@@ -240,13 +253,13 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
         if fmt is not None:
             parts = storage_shapes(tuple(shape), fmt)
             want.update({p + (k,): s for k, (s, _) in parts.items()})
-            return {k: jax.ShapeDtypeStruct(s, d, sharding=_sharding_of(sharding, ".".join(p + (k,)), s))
+            return {k: jax.ShapeDtypeStruct(s, d, sharding=_sharding_of(sharding, root + ".".join(p + (k,)), s))
                     for k, (s, d) in parts.items()}
         want[p] = tuple(shape)
         return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, dtype),
-                                    sharding=_sharding_of(sharding, ".".join(p), shape))
+                                    sharding=_sharding_of(sharding, root + ".".join(p), shape))
 
-    tgt = map_spec(target, param_spec(cfg))
+    tgt = map_spec(target, spec)
     custom = _checkpoint_metadata(pdir).get("custom_metadata")
     if isinstance(custom, dict) and custom.get("format") == FORMAT:
         _check_arrays(pdir, want)
@@ -257,166 +270,61 @@ def _restore(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(pdir, tgt)
 
-    params = _orbax_restore(pdir, restore)
+    tree = _orbax_restore(pdir, restore)
 
     def build(p, spec_leaf):
-        node = params
-        for k in p:
-            node = node[k]
+        node = _get(tree, p)
         fmt = quantized.get(".".join(p))
         if fmt is not None:
             return QuantizedWeight(node["values"], node["scale"], fmt=fmt, dtype_name=jnp.dtype(dtype).name,
-                                   axes=matrix_axes(p))
+                                   axes=matrix_axes(axes_root + p))
         return node
 
-    return map_spec(build, param_spec(cfg))
-
-
-def _flatten_mtp(tree: dict, leaves: dict, prefix: str = "") -> dict:
-    """{'mtp': {'0': {'enorm': {'weight': a}}}} -> {'mtp.0.enorm.weight': a}, stopping at the
-    quantized leaves named in `leaves` (their {'values', 'scale'} subtrees)."""
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict) and name not in leaves:
-            out.update(_flatten_mtp(v, leaves, name))
-        else:
-            out[name] = v
-    return out
-
-
-def _converted_mtp_sources(path: str) -> dict:
-    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by their
-    checkpoint names, as `dsv4_jax.checkpoint.load_hf.Source`s: "raw" (the stored array), or, from a native
-    conversion, "fp8" (e4m3 values, float32 scale values) / "fp4" (packed values, E8M0 scale
-    bytes). {} without an `mtp/`."""
-    import orbax.checkpoint as ocp  # here, not at import: it is most of dsv4_jax's import time
-
-    d = os.path.abspath(os.path.join(path, MTP_DIR))
-    if not os.path.isdir(d):
-        return {}
-    _checkpoint_metadata(d)
-    leaves = (read_custom_metadata(d) or {}).get("leaves", {})
-
-    def restore():
-        with ocp.PyTreeCheckpointer() as ckptr:
-            return ckptr.restore(d)
-
-    tree = _orbax_restore(d, restore)
-    out = {}
-    for name, v in _flatten_mtp(tree, leaves).items():
-        kind = leaves.get(name, {}).get("kind")
-        if kind == "fp8":
-            out[name] = Source("fp8", np.asarray(v["values"]), np.asarray(v["scale"]))
-        elif kind == "fp4":
-            out[name] = Source("fp4", np.asarray(v["values"]).view(np.int8), np.asarray(v["scale"]).view(np.uint8))
-        else:
-            out[name] = Source("raw", np.asarray(v), None)
-    return out
-
-
-def load_mtp(path: str | os.PathLike) -> dict:
-    """The `mtp.*` tensors a `dsv4-convert` directory kept (the Orbax checkpoint `mtp/`), by
-    their checkpoint names, as numpy arrays (quantized ones of a native conversion dequantized
-    to float32)."""
-    return {name: src.data if src.fmt == "raw" else src.dense(np.float32)
-            for name, src in _converted_mtp_sources(os.fspath(path)).items()}
-
-
-def _hf_mtp_sources(path: str) -> dict:
-    """The `mtp.*` tensors of an HF checkpoint directory as `dsv4_jax.checkpoint.load_hf.Source`s (a quantized
-    weight with its scale, header-checked: dsv4_jax.checkpoint.load_hf.check_tensor)."""
-    entries = scan_checkpoint(path)
-    out = {}
-    for name, entry in entries.items():
-        if not is_mtp(name):
-            continue
-        if name.endswith((".scale", ".weight_scale_inv")):
-            weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name[: -len("_scale_inv")]
-            if weight not in entries:
-                raise CheckpointError(f"{entry.path}: unexpected tensor {name!r} (a scale without its weight "
-                                      f"{weight!r})")
-            continue
-        out[name] = read_source(name, entries)
-    return out
+    return map_spec(build, spec)
 
 
 def load_mtp_params(path: str | os.PathLike, dtype=jnp.float32) -> dict:
     """The multi-token-prediction block `mtp.0` of the checkpoint in `path` as the parameter tree
-    of dsv4_jax/model/mtp.py (run it with `mtp.mtp_step`, beside the model `load(path)` gives: the block
-    shares its embed and head).
+    of dsv4_jax/model/mtp.py (`mtp.mtp_param_spec`: what `nnx.state(model.mtp)` holds; run it with
+    `mtp.mtp_step`, beside the model `load(path)` gives: the block shares its embed and head).
 
-    `path` is read as `load` reads it: a `dsv4-convert` directory (its `mtp/`) or an HF checkpoint
-    directory (official names, with or without a leading `model.`). `dtype` is the compute dtype
-    of the weights; norms, hyper-connections, the sink and the gate stay float32. From a `--dtype
-    native` conversion the leaves mtp.NATIVE_QUANT names that the checkpoint stores quantized
-    come back as `QuantizedWeight`s (stored values and scales, dequantized inside the matmuls),
-    as `load` does for the main layers: e_proj, h_proj and the attention and shared-expert
-    linears FP8, the routed experts FP4; attn.wo_a is dequantized (as the main layers'). From an
-    HF directory every weight is dequantized exactly to `dtype`, as `load` does.
+    `path` is read as `load` reads it: a `dsv4-convert` directory (its `mtp/`, the same tree) or
+    an HF checkpoint directory (official names, with or without a leading `model.`). `dtype` is
+    the compute dtype of the weights; norms, hyper-connections, the sink and the gate stay
+    float32. From a `--dtype native` conversion the leaves mtp.NATIVE_QUANT names that the
+    checkpoint stores quantized come back as `QuantizedWeight`s (stored values and scales,
+    dequantized inside the matmuls), as `load` does for the main layers: e_proj, h_proj and the
+    attention and shared-expert linears FP8, the routed experts FP4; attn.wo_a is dequantized (as
+    the main layers'). From an HF directory every weight is dequantized exactly to `dtype`.
 
-    Raises CheckpointError naming the problem for a checkpoint without MTP tensors, and for a
-    missing, unexpected, duplicated or misshapen one."""
+    Raises CheckpointError naming the problem for a checkpoint without MTP tensors, for a
+    missing, unexpected, duplicated or misshapen one, and for an `mtp/` an earlier dsv4-convert
+    wrote (by checkpoint names)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    cfg = ModelConfig.from_hf(path)
-    converted = is_converted(path)
-    sources = _converted_mtp_sources(path) if converted else _hf_mtp_sources(path)
-    if not sources:
-        raise CheckpointError(f"{path}: the checkpoint has no MTP tensors (mtp.0.*; its config says "
-                              f"num_nextn_predict_layers {cfg.num_nextn_predict_layers})")
-    return _mtp_tree(sources, cfg, dtype, path, keep_quantized=converted)
+    return _load_mtp(path, ModelConfig.from_hf(path), dtype, None)
 
 
-def _mtp_tree(sources: dict, cfg: ModelConfig, dtype, where: str, keep_quantized: bool) -> dict:
-    """The block's tree from its tensors by checkpoint name (`dsv4_jax.checkpoint.load_hf.Source`s), each
-    checked against names.mtp_checkpoint_layout / mtp.mtp_param_spec."""
-    names = mtp_checkpoint_layout(cfg)
-    spec = mtp.mtp_param_spec(cfg)
-    parts: dict[tuple, dict[tuple, tuple]] = {}  # tree path -> {index: (name, Source)}
-    for name, src in sources.items():
-        official = name.removeprefix("model.")
-        if official not in names:
-            raise CheckpointError(f"{where}: unexpected MTP tensor {name!r} (not part of the block mtp.0 "
-                                  f"this config describes)")
-        path, index = names[official]
-        if index in parts.get(path, {}):
-            raise CheckpointError(f"{where}: MTP tensor {name!r} appears twice in the checkpoint")
-        shape = tuple(_get(spec, path)[0][len(index):])
-        got = tuple(src.data.shape)
-        if src.fmt == "fp4":
-            got = got[:-1] + (2 * got[-1],)
-        if got != shape:
-            raise CheckpointError(f"{where}: MTP tensor {name!r} has shape {list(got)}, the config expects "
-                                  f"{list(shape)}")
-        if src.fmt == "raw" and src.data.dtype.kind in "iub":
-            raise CheckpointError(f"{where}: MTP tensor {name!r} has dtype {src.data.dtype}, a float is expected")
-        if src.fmt != "raw":
-            want = storage_shapes(shape, src.fmt)["scale"][0]
-            if tuple(src.scale.shape) != tuple(want):
-                raise CheckpointError(f"{where}: the scale of MTP tensor {name!r} has shape "
-                                      f"{list(src.scale.shape)}, its {src.fmt.upper()} weight needs {list(want)}")
-        parts.setdefault(path, {})[index] = (name, src)
-    missing = [n for n, (path, index) in names.items() if index not in parts.get(path, {})]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{where}: missing MTP tensors {missing[:5]}{more}")
+def _load_mtp(path: str, cfg: ModelConfig, dtype, mesh) -> dict:
+    """load_mtp_params, on `mesh` under cfg.layout when given (each leaf split as a main layer's)."""
+    def none():
+        return CheckpointError(f"{path}: the checkpoint has no MTP tensors (mtp.0.*; its config says "
+                               f"num_nextn_predict_layers {cfg.num_nextn_predict_layers})")
 
-    def build(path, leaf):
-        indices = sorted(parts[path])
-        items = [parts[path][i][1] for i in indices]
-
-        def join(arrays):  # a routed-expert weight's experts stacked in id order, any other leaf as it is
-            return arrays[0] if indices == [()] else np.stack(arrays)
-
-        fmt = mtp.NATIVE_QUANT.get(path)
-        if keep_quantized and fmt is not None and all(s.fmt == fmt for s in items):
-            values = join([s.data.view(np.uint8) if fmt == "fp4" else s.data for s in items])
-            return QuantizedWeight(jnp.asarray(values), jnp.asarray(join([s.scale for s in items])), fmt=fmt,
-                                   dtype_name=jnp.dtype(dtype).name, axes=matrix_axes(("layers",) + path))
-        target = leaf_dtype(leaf[1], dtype)
-        return jnp.asarray(join([s.dense(ml_dtypes.bfloat16 if target == jnp.bfloat16 else target) for s in items]),
-                           target)
-
-    return map_spec(build, spec)
+    if is_converted(path):
+        d = os.path.join(path, MTP_DIR)
+        if not os.path.isdir(d):
+            raise none()
+        leaves = (read_custom_metadata(d) or {}).get("leaves", {})
+        if any(k.startswith(mtp.PREFIX) for k in leaves):
+            raise _damaged(f"{d} holds the MTP tensors by checkpoint name (an earlier dsv4-convert); this version "
+                           f"stores the block's state tree: convert it again")
+        sharding = None if mesh is None else sh.named_sharding_of(mesh, cfg.layout)
+        return _restore_tree(d, mtp.mtp_param_spec(cfg), dtype, sharding, _quantized(path, MTP_DIR),
+                             axes_root=("layers",))
+    block = read_hf_checkpoint(path, cfg, dtype, tree=MTP)
+    if not block:
+        raise none()
+    block = jax.tree.map(jnp.asarray, block)
+    return block if mesh is None else jax.device_put(block, sh.mtp_shardings(block, mesh, cfg.layout))

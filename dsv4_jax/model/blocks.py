@@ -4,8 +4,8 @@
 A block holds its weights as `nnx.Param`s (the hash layers' token -> experts table, an integer
 lookup that no gradient reaches, as a `RoutingTable`), under the names of the parameter tree
 (dsv4_jax/model/params.py), so that `nnx.to_pure_dict(nnx.state(block))` is that tree: what the
-jitted programs take, and for the model without its MTP block what the converter stores with
-Orbax in `params/` (the block's `mtp/` keeps the checkpoint's tensor names). The stacked
+jitted programs take, and what the converter stores with Orbax: the model without its MTP block
+in `params/`, the MTP block (`model.mtp`) in `mtp/`. The stacked
 blocks (`DecoderLayers`, `CompressedLayers`) hold every layer of theirs in one array per weight,
 leading axis the layer; the stack runs as one `lax.scan` over that state
 (dsv4_jax/model/deepseek_v4.py), never a Python loop over modules.

@@ -400,7 +400,8 @@ def with_options(cfg: ModelConfig, **options) -> ModelConfig:
 class DeepseekV4(Block):
     """A DeepSeek-V4 model as a Flax NNX module: `logits = model(input_ids)` for int32 `[B, S]` ->
     fp32 `[B, S, V]`. Its blocks (dsv4_jax/model/blocks.py) hold the weights under the names of the
-    parameter tree, so `nnx.state(model)` without `mtp` is the checkpoint's `params/`, and
+    parameter tree, so `nnx.state(model)` is the converted checkpoint (`params/`, and `mtp/` for
+    `model.mtp`), and
     `model.params` the tree the jitted programs take (`step`, dsv4_jax/runtime/decode.py), read
     once per call, not per step.
 
