@@ -395,7 +395,9 @@ def test_cache_bytes_follow_kinds():
     assert b["csa"] == 2 * (ring + 1024 * 512 * 2 + 2 * 8 * 1024 * 4 + 1024 * 128 * 2 + 2 * 8 * 256 * 4)
     assert b["total"] == b["window"] + b["csa"] + b["hca"]
     real = init_cache(cfg, 1, 4096, jnp.bfloat16)
-    assert b["total"] == sum(x.nbytes for x in jax.tree.leaves(real)) - 4  # minus the position counter
+    # minus the position counter and the block table (4096 tokens: 32 blocks of 128)
+    assert real["blocks"].shape == (1, 32)
+    assert b["total"] == sum(x.nbytes for x in jax.tree.leaves(real)) - 4 - 32 * 4
 
 
 def test_prefill_plan_cuts_each_row_as_alone():

@@ -160,13 +160,17 @@ def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     model = dsv4_jax.load(native, mesh=sharding.make_mesh({"data": 2, "expert": 4}))
     eng = Engine(model, slots=8, max_len=256, prefill_chunk=256)  # every prompt one chunk, as in generate
     assert set(_shard_rows(eng.state.cache["pos"], 0).values()) == {1}
-    assert set(_shard_rows(eng.state.cache["csa"]["pool"], 1).values()) == {1}
+    # the pools split by blocks as the rows: each device's slot draws from its own blocks
+    per_device = eng.num_blocks // 8
+    assert set(_shard_rows(eng.state.cache["csa"]["pool"], 1).values()) == {per_device}
+    assert set(_shard_rows(eng.state.cache["blocks"], 0).values()) == {1}
     reqs = [eng.submit(p, 12) for p in prompts[:2]]
     for _ in range(3):
         eng.step()
     reqs += [eng.submit(p, 12) for p in prompts[2:]]
     eng.run_until_idle()
     assert [r.tokens for r in reqs] == want
+    assert all(eng.pool.shard_of(r.slot) == b // per_device for r in reqs for b in eng.table[r.slot][:1])
 
 
 def test_bad_meshes_and_layouts(native):

@@ -428,7 +428,8 @@ METRIC_NAMES = ["dsv4:num_requests_running", "dsv4:num_requests_waiting", "dsv4:
                 "dsv4:kv_cache_usage_perc", "dsv4:prompt_tokens_total", "dsv4:generation_tokens_total",
                 'dsv4:request_success_total{finished_reason="length"}', "dsv4:time_to_first_token_seconds_count",
                 "dsv4:inter_token_latency_seconds_count", "dsv4:e2e_request_latency_seconds_count",
-                "dsv4:request_queue_time_seconds_count"]
+                "dsv4:request_queue_time_seconds_count", "dsv4:num_blocks", "dsv4:num_blocks_used",
+                "dsv4:num_preemptions_total"]
 
 
 def test_metrics_names_and_counters(live):
@@ -436,6 +437,8 @@ def test_metrics_names_and_counters(live):
     before = live.metrics()
     assert set(METRIC_NAMES) <= set(before), sorted(before)
     assert before["dsv4:num_slots"] == SLOTS and before["dsv4:num_requests_running"] == 0
+    assert before["dsv4:num_blocks_used"] == before["dsv4:kv_cache_usage_perc"] == 0
+    assert before["dsv4:num_blocks"] == live.engine.num_blocks > 0
     r = live.http.post("/v1/completions", json={"prompt": [9] * 11, "max_tokens": 7, "temperature": 0,
                                                 "ignore_eos": True})
     assert r.status_code == 200
@@ -464,7 +467,8 @@ def test_spec_decode_counters_exported_when_the_engine_has_them():
             self.extra = extra
 
         def stats(self):
-            return {"running": 0, "waiting": 0, "slots": 1, "slots_used": 0, "cache_usage": 0.0, **self.extra}
+            return {"running": 0, "waiting": 0, "slots": 1, "slots_used": 0, "cache_usage": 0.0, "num_blocks": 1,
+                    "blocks_used": 0, **self.extra}
 
     assert serve.spec_decode_metrics({}) == []
     text = serve.Metrics(Stats({})).render().decode()
@@ -570,7 +574,12 @@ def test_bad_flags_and_checkpoints_are_one_line(setup, tmp_path, capsys):
     (no_tokenizer / "config.json").write_text("{}")
     ckpt = str(setup["ckpt"])
     cases = [
-        (["--ckpt", ckpt, "--slots", "two"], "argument --slots: invalid int value: 'two'"),
+        (["--ckpt", ckpt, "--slots", "two"], "argument --max-num-seqs/--slots: invalid int value: 'two'"),
+        (["--ckpt", ckpt, "--kv-cache-memory", "8 parsecs"], "argument --kv-cache-memory: '8 parsecs' is not a size"),
+        (["--ckpt", ckpt, "--port", "0", "--block-size", "96", *FLAGS[:2]],
+         "--block-size: block size 96 must be a positive multiple of 128"),
+        (["--ckpt", ckpt, "--port", "0", "--kv-cache-memory", "1KiB", *FLAGS[:2]],
+         "--kv-cache-memory: kv_cache_memory 1024 bytes holds 0 blocks of 128 tokens"),
         ([], "the following arguments are required: --ckpt"),
         (["--ckpt", ckpt, "--port", port], f"cannot listen on 127.0.0.1:{port}"),
         (["--ckpt", str(tmp_path / "missing"), "--port", "0"], "checkpoint directory not found"),

@@ -1,48 +1,74 @@
-"""Decode state, grouped per layer kind like the parameters, with static shapes set by `max_len`.
+"""Decode state, grouped per layer kind like the parameters, with static shapes.
 
 Every row (sequence) has its own position, and everything of it is addressed by position: the
-window's K=V rows and the compressors' projections in rings (position s in slot s % size), the
-compressed entries in pools (entry j in row j). `lookahead` (default 0) widens the rings by the
+window's K=V rows and the compressors' projections in per-row rings (position s in slot s %
+size), the compressed entries in paged pools. `lookahead` (default 0) widens the rings by the
 positions a step may write beyond those it keeps (speculative decoding: drafts that a
 verification rejects); a row's position then simply stays before them, and they are overwritten
 later, before anything reads those slots.
 
+The pools are shared by the rows and cut into blocks of `block_size` tokens (a multiple of every
+compress ratio the model has): a block holds block_size / ratio entries of each compressed kind,
+and logical block j of row b (its positions j * block_size ..) is physical block `blocks[b, j]`
+of every pool. A row's entry e is then row `e % E` of block `blocks[b, e // E]` (E = entries a
+block holds). `init_cache` gives each row its own blocks (row b: b * nb .. (b + 1) * nb - 1);
+the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
+
     pos            int32 [B]                tokens already in each row
+    blocks         int32 [B, nb]            block table: the physical block of each logical one
+                                            (a model with compressed layers only)
     window (window-only layers, n of them):
       ring         [n, B, W + la, Dh]           sliding-window K=V rows
     csa (ratio-4 layers):
       ring         [n, B, W + la, Dh]
-      pool         [n, B, max_len // 4, Dh]     compressed entries, entry j in row j
+      pool         [n, NB, block_size / 4, Dh]  compressed entries
       state_a/z    [n, B, 8 + la, 2 Dh]  fp32   projections of the recent positions (the previous
                                                 block and the current one); z includes `ape`
     indexer (ratio-4 layers that run their indexer's compressor: all of them, or only those that
              compute their top-k under IndexCache with index_cache_skip_compressor):
-      pool         [n, B, max_len // 4, dI]     the indexer's keys
+      pool         [n, NB, block_size / 4, dI]  the indexer's keys
       state_a/z    [n, B, 8 + la, 2 dI]  fp32
     hca (ratio-128 layers):
       ring         [n, B, W + la, Dh]
-      pool         [n, B, max_len // 128, Dh]
+      pool         [n, NB, block_size / 128, Dh]
       state_a/z    [n, B, 128 + la, Dh]  fp32   projections of the current block's positions
 
 A row reads only slots and entries of positions below its own that it wrote itself (positions
 before 0 count as missing: a block before the first gets softmax weight 0), so a row is reset by
-setting its position to 0 (`reset_rows`), and rows past a position hold don't-cares.
+setting its position to 0 (`reset_rows`), and slots and entries past a position hold
+don't-cares (finite: every pool starts at zero and only ever holds computed entries).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .layer_kinds import KINDS
+from .layer_kinds import COMPRESSED, KINDS
 
 
-def pool_rows(max_len: int, ratio: int) -> int:
-    """Compressed entries a cache of max_len tokens can hold (at least one row, so every array
-    has a row to gather from)."""
-    return max(1, max_len // ratio)
+def default_block_size(cfg: ModelConfig) -> int:
+    """The smallest block every compress ratio of cfg divides (1 for a window-only model)."""
+    return math.lcm(1, *(k.ratio for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)))
+
+
+def check_block_size(cfg: ModelConfig, block_size: int) -> None:
+    """Raises ValueError unless every compress ratio of cfg divides block_size."""
+    unit = default_block_size(cfg)
+    if block_size < 1 or block_size % unit:
+        raise ValueError(f"block size {block_size} must be a positive multiple of {unit} (every compress ratio "
+                         f"of the model, {sorted({k.ratio for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)})}, "
+                         f"must divide it)")
+
+
+def blocks_per_row(max_len: int, block_size: int) -> int:
+    """Blocks a row of up to max_len tokens needs (at least one, so every pool has a block to
+    gather from)."""
+    return max(1, -(-max_len // block_size))
 
 
 def indexer_state_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -54,34 +80,57 @@ def indexer_state_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return s.computing if cfg.index_cache_skip_compressor else s.csa_layers
 
 
-def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0) -> dict:
-    """Nested dict of (shape, dtype) with the cache's structure (see the module doc)."""
+def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0, *,
+               block_size: int | None = None, num_blocks: int | None = None) -> dict:
+    """Nested dict of (shape, dtype) with the cache's structure (see the module doc): `batch` rows
+    of up to max_len tokens, pools of `num_blocks` blocks (default: batch * blocks_per_row) of
+    `block_size` tokens (default: default_block_size)."""
+    block_size = default_block_size(cfg) if block_size is None else block_size
+    check_block_size(cfg, block_size)
+    nb = blocks_per_row(max_len, block_size)
+    NB = batch * nb if num_blocks is None else num_blocks
     Dh, dI, R = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window + lookahead
     f32 = jnp.float32
     spec: dict = {"pos": ((batch,), jnp.int32)}
+    if any(cfg.layers_of_ratio(k.ratio) for k in COMPRESSED):
+        spec["blocks"] = ((batch, nb), jnp.int32)
     for kind in KINDS:  # each kind's layers stacked on their own
         n = len(cfg.layers_of_ratio(kind.ratio))
         if not n:
             continue
         spec[kind.name] = {"ring": ((n, batch, R, Dh), dtype)}
         if kind.ratio:
-            p, s, w = pool_rows(max_len, kind.ratio), kind.state_rows(lookahead), kind.compressor_width(Dh)
-            spec[kind.name].update(pool=((n, batch, p, Dh), dtype), state_a=((n, batch, s, w), f32),
+            E, s, w = block_size // kind.ratio, kind.state_rows(lookahead), kind.compressor_width(Dh)
+            spec[kind.name].update(pool=((n, NB, E, Dh), dtype), state_a=((n, batch, s, w), f32),
                                    state_z=((n, batch, s, w), f32))
         ni = len(indexer_state_layers(cfg)) if kind.indexer else 0
         if ni:
             w = kind.compressor_width(dI)
-            spec["indexer"] = {"pool": ((ni, batch, p, dI), dtype), "state_a": ((ni, batch, s, w), f32),
+            spec["indexer"] = {"pool": ((ni, NB, E, dI), dtype), "state_a": ((ni, batch, s, w), f32),
                                "state_z": ((ni, batch, s, w), f32)}
     return spec
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, lookahead: int = 0) -> dict:
-    """An empty cache for `batch` sequences of up to `max_len` tokens (see the module doc)."""
+def block_bytes(cfg: ModelConfig, block_size: int, dtype=jnp.bfloat16) -> int:
+    """Bytes one block takes in all the pools together (every compressed layer's entries and
+    indexer keys for block_size tokens)."""
+    spec = cache_spec(cfg, 1, block_size, dtype, block_size=block_size, num_blocks=1)
+    return sum(int(np.prod(g["pool"][0], dtype=np.int64)) * jnp.dtype(g["pool"][1]).itemsize
+               for g in spec.values() if isinstance(g, dict) and "pool" in g)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, lookahead: int = 0, *,
+               block_size: int | None = None, num_blocks: int | None = None) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (see the module doc), each
+    row its own blocks when the pools have them all (the default), else every row's table at
+    block 0 (the caller hands blocks out)."""
     def walk(spec):
         return {k: jnp.zeros(*v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
 
-    return walk(cache_spec(cfg, batch, max_len, dtype, lookahead))
+    cache = walk(cache_spec(cfg, batch, max_len, dtype, lookahead, block_size=block_size, num_blocks=num_blocks))
+    if "blocks" in cache and (num_blocks is None or num_blocks >= cache["blocks"].size):
+        cache["blocks"] = jnp.arange(cache["blocks"].size, dtype=jnp.int32).reshape(cache["blocks"].shape)
+    return cache
 
 
 def reset_rows(cache: dict, rows: jnp.ndarray) -> dict:
@@ -90,20 +139,90 @@ def reset_rows(cache: dict, rows: jnp.ndarray) -> dict:
     return {**cache, "pos": jnp.where(rows, 0, cache["pos"])}
 
 
+def _per_row(path) -> int | None:
+    """The row axis of a cache leaf (None for a pool, which the rows share)."""
+    keys = tuple(getattr(k, "key", k) for k in path)
+    if keys in (("pos",), ("blocks",)):
+        return 0
+    return None if keys[-1] == "pool" else 1
+
+
 def take_rows(cache: dict, rows: jnp.ndarray) -> dict:
-    """The sub-cache of the rows `rows` (int `[R]`), for a step on those rows alone."""
-    return {k: v[rows] if k == "pos" else jax.tree.map(lambda a: a[:, rows], v) for k, v in cache.items()}
+    """The sub-cache of the rows `rows` (int `[R]`), for a step on those rows alone: their
+    positions, tables, rings and states, and the whole shared pools."""
+    def take(path, a):
+        axis = _per_row(path)
+        return a if axis is None else jnp.take(a, rows, axis=axis)
+
+    return jax.tree_util.tree_map_with_path(take, cache)
 
 
 def put_rows(cache: dict, rows: jnp.ndarray, sub: dict) -> dict:
-    """cache with the rows `rows` (int `[R]`) replaced by the sub-cache `sub` (as take_rows gives)."""
-    return {k: cache[k].at[rows].set(v) if k == "pos" else
-            jax.tree.map(lambda a, b: a.at[:, rows].set(b), cache[k], v) for k, v in sub.items()}
+    """cache with the rows `rows` (int `[R]`) replaced by the sub-cache `sub` (as take_rows gives),
+    and the pools by the sub-cache's (which the step wrote into)."""
+    def put(path, a, b):
+        axis = _per_row(path)
+        if axis is None:
+            return b
+        return a.at[rows].set(b) if axis == 0 else a.at[:, rows].set(b)
+
+    return jax.tree_util.tree_map_with_path(put, cache, sub)
+
+
+def _by_group(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int, axis: int = 0):
+    """pool's block axis `axis` and the rows of blocks `[B, nb]` cut into `groups` equal groups,
+    the table's ids made local to their group: row group g holds its blocks in block group g (as
+    the engine and init_cache hand them out), so on a mesh that splits both the same way each
+    device reads and writes only its own blocks."""
+    NB = pool.shape[axis]
+    grouped = pool.reshape(pool.shape[:axis] + (groups, NB // groups) + pool.shape[axis + 1:])
+    return grouped, (blocks % (NB // groups)).reshape(groups, -1, blocks.shape[1])
+
+
+def pool_view(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
+    """Every row's entries in order: pool `[NB, E, d]` read through the table blocks `[B, nb]` ->
+    `[B, nb * E, d]` (entry e of row b at index e). groups: see `_by_group`."""
+    B, nb = blocks.shape
+    p, t = _by_group(pool, blocks, groups)
+    return jax.vmap(lambda p, t: p[t])(p, t).reshape(B, nb * pool.shape[1], pool.shape[2])
+
+
+def pool_entries(pool: jnp.ndarray, blocks: jnp.ndarray, ids: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
+    """The entries ids (int `[B, ...]`, in range) of each row, from pool `[NB, E, d]` through the
+    table blocks `[B, nb]` -> `[B, ..., d]`. groups: see `_by_group`."""
+    E = pool.shape[1]
+    p, t = _by_group(pool, blocks, groups)
+    ids = ids.reshape((groups, -1) + ids.shape[1:])
+
+    def read(p, t, ids):
+        block = jnp.take_along_axis(t, (ids // E).reshape(ids.shape[0], -1), axis=1).reshape(ids.shape)
+        return p[block, ids % E]
+
+    out = jax.vmap(read)(p, t, ids)
+    return out.reshape((-1,) + out.shape[2:])
+
+
+def pool_write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray, values: jnp.ndarray,
+               groups: int = 1) -> jnp.ndarray:
+    """pools `[n, NB, E, d]` with values `[B, m, d]` written as entries ids (int `[B, m]`) of each
+    row of layer `layer`; an id outside the table (e.g. `nb * E`) is dropped. groups: see
+    `_by_group`."""
+    E, nb = pools.shape[2], blocks.shape[1]
+    p, t = _by_group(pools, blocks, groups, axis=1)
+    ids, values = (a.reshape((groups, -1) + a.shape[1:]) for a in (ids, values))
+
+    def write(p, t, ids, values):
+        inside = (ids >= 0) & (ids < nb * E)
+        block = jnp.take_along_axis(t, jnp.clip(ids // E, 0, nb - 1), axis=1)
+        block = jnp.where(inside, block, p.shape[1])  # out of range: dropped
+        return p.at[layer, block, ids % E].set(values.astype(p.dtype), mode="drop")
+
+    return jax.vmap(write, in_axes=(1, 0, 0, 0), out_axes=1)(p, t, ids, values).reshape(pools.shape)
 
 
 def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16, lookahead: int = 0) -> dict:
     """Bytes of a cache per layer kind (window rings included; the indexer's keys count as
-    ratio-4): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""
+    ratio-4; the block table apart): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""
     spec = cache_spec(cfg, batch, max_len, dtype, lookahead)
 
     def size(s):

@@ -23,7 +23,7 @@ from flax import nnx
 
 from pallas_kernels.numerics import rms_norm
 from . import attention, sharding
-from .cache import indexer_state_layers, init_cache
+from .cache import indexer_state_layers, init_cache, pool_entries, pool_view, pool_write
 from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
 from .config import ModelConfig
 from .layer_kinds import BY_RATIO, CSA, HCA, KINDS, WINDOW
@@ -106,6 +106,8 @@ class _Chunk(NamedTuple):
     n_valid: jnp.ndarray  # int32 [B]: each row's real tokens (the rest of its T are padding)
     rope: jnp.ndarray  # fp32 [2 (window-only, compressed), 2 (cos, sin), B, T, rope/2]
     compress_freqs: jnp.ndarray  # [rope/2]
+    blocks: jnp.ndarray | None  # int32 [B, nb]: each row's block table (cache.py); None without pools
+    groups: int  # row / block groups of the pools' reads and writes (cache._by_group): 1 unless in place on a mesh
 
 
 class _LayerInput(NamedTuple):
@@ -173,7 +175,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
 
     def own_selection():
         ci = take_layer(caches["indexer"], lay.index_local)
-        return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin, ci["pool"], ci["state_a"],
+        return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin,
+                                        pool_view(ci["pool"], ch.blocks, ch.groups), ci["state_a"],
                                         ci["state_z"], ch.p0, ch.compress_freqs, cfg, n_valid=ch.n_valid)
 
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
@@ -192,13 +195,13 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     first = ch.p0 // CSA
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
-        rows = jnp.where(old, jnp.take_along_axis(c["pool"][:, None], jnp.clip(ids, 0)[..., None], axis=2),
+        rows = jnp.where(old, pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups),
                          jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
                                              axis=2))
         comp_rows = rows[:, 0]
         comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
     else:
-        comp_rows, comp_idx = attention.in_entry_order(c["pool"], entries, first), ids
+        comp_rows, comp_idx = attention.in_entry_order(pool_view(c["pool"], ch.blocks, ch.groups), entries, first), ids
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), overlap
 
@@ -211,10 +214,10 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     entries, n_new, sa, sz = attention.compress_chunk(
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid)
-    P = c["pool"].shape[1]
-    ids = jnp.arange(P, dtype=jnp.int32)
+    pool = pool_view(c["pool"], ch.blocks, ch.groups)
+    ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
-    comp_rows = attention.in_entry_order(c["pool"], entries, ch.p0 // HCA)
+    comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     payload = {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
     return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
@@ -234,7 +237,8 @@ def _writers(cfg: ModelConfig) -> dict:
 def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> dict:
     """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
     dropped), each row at its own positions: the chunk's K=V rows and compressor projections into
-    their rings (`attention.ring_writes`), the entries the row completed at their ids."""
+    their rings (`attention.ring_writes`), the entries the row completed at their ids, in the
+    blocks its table (chunk.blocks) names."""
     out = dict(stacks)
     B = chunk.p0.shape[0]
     T = chunk.rope.shape[3]
@@ -246,10 +250,9 @@ def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> di
             out[k] = stacks[k].at[target, b, slots].set(values.astype(stacks[k].dtype), mode="drop")
     ratio = _RATIO_OF[group]
     if ratio is not None:
-        pool = stacks["pool"]
         i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
-        at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, pool.shape[2])
-        out["pool"] = pool.at[target, b, at].set(payload["entries"], mode="drop")
+        at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, -1)
+        out["pool"] = pool_write(stacks["pool"], target, chunk.blocks, at, payload["entries"], chunk.groups)
     return out
 
 
@@ -293,17 +296,19 @@ def _rows_valid(n_valid, B: int, T: int) -> jnp.ndarray:
     return jnp.full((B,), T, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
 
 
-def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig) -> _Chunk:
+def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place: bool) -> _Chunk:
     p0 = cache["pos"]
     n_valid = _rows_valid(n_valid, B, T)
     window_freqs, compress_freqs = (jnp.asarray(f) for f in layer_inv_freqs(cfg))
     positions = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
     rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
-    return _Chunk(p0, n_valid, rope, compress_freqs)
+    mesh = sharding.active(cfg)
+    groups = cfg.layout.shards(sharding.BATCH, mesh) if rows_in_place and mesh is not None else 1
+    return _Chunk(p0, n_valid, rope, compress_freqs, cache.get("blocks"), groups if B % groups == 0 else 1)
 
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
-               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False):
+               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False, rows_in_place: bool = True):
     """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
     streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
     `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
@@ -314,16 +319,16 @@ def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray
     sched = LayerSchedule.of(cfg)
     cache = sharding.constrain_cache(cfg, cache)
     stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
-    chunk = _chunk(cache, B, T, n_valid, cfg)
+    chunk = _chunk(cache, B, T, n_valid, cfg, rows_in_place)
     ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
                 measure_reuse)
     xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
           jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
           jnp.asarray(sched.route_local))
-    k_index = min(cfg.index_topk, cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
+    k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
     (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
-    return h, {"pos": chunk.p0 + chunk.n_valid, **stacks}, overlaps
+    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, overlaps
 
 
 def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,
@@ -347,7 +352,8 @@ class StepOutput(NamedTuple):
 
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
-         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False) -> StepOutput:
+         measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False,
+         rows_in_place: bool = True) -> StepOutput:
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
@@ -362,12 +368,15 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     that do not reuse). With return_hidden (static, like last_only) `hidden` holds the final
     hidden streams `[B, T, hc, D]` before the hyper-connection head at every position of the
     chunk (also with last_only): what the MTP block (dsv4_jax/model/mtp.py) takes as `hidden`.
+    rows_in_place (static): the rows are the cache's own, in order, so on a mesh each device's rows
+    hold their blocks on that device and the pools are read and written device by device; False
+    for a sub-batch of rows taken out of a larger cache (cache.take_rows), whose rows sit elsewhere.
     """
     B, T = input_ids.shape
     x = params["embed"][input_ids]
     h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
                            (sharding.BATCH, None, None, None))
-    hidden, new_cache, overlaps = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse)
+    hidden, new_cache, overlaps = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse, rows_in_place)
     h = hidden
     if last_only:
         last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
@@ -446,12 +455,13 @@ class DeepseekV4(Block):
         n = 1 if self.mesh is None else self.config.layout.shards(sharding.BATCH, self.mesh)
         return -(-B // n) * n
 
-    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None, lookahead: int = 0) -> dict:
+    def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None, lookahead: int = 0, *,
+                  block_size: int | None = None, num_blocks: int | None = None) -> dict:
         """An empty cache of `rows` sequences of up to max_len tokens on the model's devices (rows
-        split over the mesh's batch axes). cfg: the config with this call's options (default the
-        model's); lookahead: as `cache.init_cache`."""
+        and pool blocks split over the mesh's batch axes). cfg: the config with this call's options
+        (default the model's); lookahead, block_size, num_blocks: as `cache.init_cache`."""
         cfg = self.config if cfg is None else cfg
-        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead)
+        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead, block_size=block_size, num_blocks=num_blocks)
         if self.mesh is None:
             return cache
         return jax.device_put(cache, sharding.cache_shardings(cache, self.mesh, cfg.layout))

@@ -15,6 +15,22 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count as flags take it: `8GiB`, `512MiB`, `1.5GB`, `4096` (argparse type: a bad one
+    is a usage error naming the flag)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m and m.group(2).upper()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB, 2GB or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 def add_model_arguments(parser) -> None:
     """The flags every CLI that loads a model takes: compute dtype, attention implementation,
     IndexCache, the compilation cache and the device mesh."""

@@ -80,13 +80,14 @@ class Sampling(NamedTuple):
         return sampling.sample(logits, self.keys(), *self.params)
 
 
-def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0) -> DecodeState:
-    """An empty state of `rows` rows of up to max_len positions on the model's devices; with k
-    drafts a round, rings k slots wider and the MTP block's state (speculative.py). Committed to
-    the devices, as every program's output is, so that the first call compiles the program the
-    later ones run."""
+def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,
+              block_size: int | None = None, num_blocks: int | None = None) -> DecodeState:
+    """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
+    `num_blocks` blocks of `block_size` tokens: cache.init_cache); with k drafts a round, rings k
+    slots wider and the MTP block's state (speculative.py). Committed to the devices, as every
+    program's output is, so that the first call compiles the program the later ones run."""
     cfg = model.config if cfg is None else cfg
-    state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k))
+    state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k, block_size=block_size, num_blocks=num_blocks))
     if k:
         hidden = (rows, k + 1, cfg.hc_mult, cfg.hidden_size)
         with model.on_mesh():
@@ -110,7 +111,7 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, fresh, ends, sa
     at = slice(None) if whole else rows
     sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), fresh)
     p0 = sub["pos"]
-    out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None)
+    out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole)
     tokens = sample.sample(out.logits[:, 0])
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
     if mtp is not None:

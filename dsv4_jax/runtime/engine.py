@@ -1,4 +1,5 @@
-"""The serving engine: continuous batching over a fixed set of cache slots.
+"""The serving engine: continuous batching over a fixed set of cache slots and a pool of cache
+blocks.
 
 Requests (token ids, a token limit and `request.SamplingParams`: sampling, a seed, stop ids; all
 checked by dsv4_jax/runtime/request.py, as `generate` and the server check theirs) wait in a
@@ -17,6 +18,15 @@ One engine step (`Engine.step`):
 3. decodes: every slot holding a generating request advances one token (one program over all
    slots; the others hold).
 A long prompt therefore costs its neighbours one chunk's time per step, not its whole prefill.
+
+The compressed entries live in paged pools shared by the slots (dsv4_jax/model/cache.py): blocks
+of `block_size` tokens, `num_blocks` of them (default: enough for every slot at max_len; or what
+`kv_cache_memory` bytes hold), handed out as sequences grow (dsv4_jax/runtime/blocks.py). A
+request is admitted when a slot is free and the blocks for its whole prompt are; a decode step
+first gives every generating request the blocks it will write, and when there are none left the
+newest running request is preempted: its blocks and slot are freed and it waits again at the
+front of the queue, to be prefilled anew with its prompt and the tokens it has produced (their
+sampling keys unchanged), then to go on where it stopped; nothing it streamed changes.
 
 Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
 pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
@@ -43,13 +53,24 @@ from typing import Callable
 import jax
 import numpy as np
 
+from dsv4_jax.model import sharding
+from dsv4_jax.model.cache import block_bytes, blocks_per_row, check_block_size, default_block_size
 from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
+from .blocks import BlockPool
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import run_request
 from .request import (MAX_SPECULATIVE_TOKENS, Request, SamplingParams, check_prompt, check_speculative_tokens,
                       validate_request)
+
+
+class EngineConfigError(ValueError):
+    """An engine setting that cannot work; `param` names the constructor argument."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFull(Exception):
@@ -72,8 +93,17 @@ class EngineRequest:
     admitted: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
-    prefilled: int = 0  # prompt tokens in the cache
+    prefilled: int = 0  # tokens of `context` in the cache
     cancelled: bool = False
+    blocks: list[int] = dataclasses.field(default_factory=list)  # the cache blocks it holds, in order
+    resume: list[int] | None = None  # after a preemption: the prompt and the tokens it had drawn but the last
+    preempted: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens to prefill: the prompt, or after a preemption the prompt and every token it
+        drew but the last (which the next decode step feeds)."""
+        return self.prompt if self.resume is None else self.resume
 
     @property
     def done(self) -> bool:
@@ -88,7 +118,8 @@ class Engine:
     `start` drive `step` in a loop; tests call `step` directly."""
 
     def __init__(self, model: DeepseekV4, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0):
+                 max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0,
+                 block_size: int | None = None, kv_cache_memory: int | None = None):
         cfg = model.config
         if speculative_tokens and model.mtp is None:
             raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
@@ -111,7 +142,18 @@ class Engine:
         self.max_queue = max_queue
         self.k = speculative_tokens
         self.mtp = model.mtp.params if self.k else None  # the block's rows run in prefill only with speculation
+        self.block_size = default_block_size(cfg) if block_size is None else block_size
+        try:
+            check_block_size(cfg, self.block_size)
+        except ValueError as e:
+            raise EngineConfigError("block_size", str(e)) from None
+        self.num_blocks = self._num_blocks(kv_cache_memory)
         self.state = self._new_state()
+        self.paged = self.state is not None and "blocks" in self.state.cache
+        self.table = np.zeros((self.slots, blocks_per_row(max_len + self.k, self.block_size)), np.int32)
+        shards = 1 if model.mesh is None else cfg.layout.shards(sharding.BATCH, model.mesh)
+        self.pool = BlockPool(self.num_blocks, self.slots, shards)
+        self._table_changed = False
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free = list(range(self.slots))
@@ -130,6 +172,22 @@ class Engine:
         """The weights the engine's programs read: on CPU the large layer weights split into one
         buffer per layer, once (dsv4_jax/model/layer_weights.py)."""
         return unstack_layers(self.model.params)
+
+    def _num_blocks(self, kv_cache_memory: int | None) -> int:
+        """The pools' blocks: what kv_cache_memory bytes hold, else one max_len sequence per slot;
+        a multiple of the mesh's row shards, each shard able to hold one max_len sequence."""
+        nb = blocks_per_row(self.max_len + self.k, self.block_size)
+        shards = 1 if self.model.mesh is None else self.cfg.layout.shards(sharding.BATCH, self.model.mesh)
+        if kv_cache_memory is None:
+            return self.slots * nb
+        per = block_bytes(self.cfg, self.block_size, self.model.dtype)
+        n = kv_cache_memory // max(per, 1) // shards * shards
+        if n < nb * shards:
+            raise EngineConfigError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory} bytes holds {n} blocks of {self.block_size} tokens "
+                             f"({per} bytes each); one sequence of max_len {self.max_len} tokens needs {nb}"
+                             + (f" on each of the mesh's {shards} row shards" if shards > 1 else "")
+                             + f": at least {nb * shards * per} bytes")
+        return n
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -169,7 +227,8 @@ class Engine:
         """The device state of the slots (decode.new_state): their cache and, with speculation (k
         drafts), the MTP block's state. The caches hold k positions past max_len (a verification
         writes k past the last token it keeps)."""
-        return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k)
+        return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k, block_size=self.block_size,
+                                num_blocks=self.num_blocks)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -177,16 +236,20 @@ class Engine:
         """One engine step (see the module doc); returns whether there was anything to do."""
         with self.lock:
             self._drop_cancelled()
-            while self.waiting and self.free:
+            while self.waiting and self.free and self._grow(self.waiting[0], self.free[0],
+                                                            len(self.waiting[0].context) + 1):
                 req = self.waiting.popleft()
-                req.slot, req.admitted = self.free.pop(0), time.monotonic()
+                req.slot = self.free.pop(0)
+                if req.admitted is None:
+                    req.admitted = time.monotonic()
                 self.running[req.slot] = req
-        prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.prompt)), key=lambda r: r.id)
-        generating = [r for r in self.running.values() if r.prefilled == len(r.prompt)]
+        generating = self._make_room([r for r in self.running.values() if r.prefilled == len(r.context)])
+        prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.context)), key=lambda r: r.id)
+        self._upload_table()
         budget = self.max_tokens_per_step - len(generating)
         chosen = []
         for r in prefilling:
-            n = min(self.prefill_chunk, len(r.prompt) - r.prefilled)
+            n = min(self.prefill_chunk, len(r.context) - r.prefilled)
             if chosen and n > budget:
                 break
             chosen.append((r, n))
@@ -197,6 +260,63 @@ class Engine:
             self._decode(generating)
         return bool(chosen or generating)
 
+    def _grow(self, req: EngineRequest, slot: int, tokens: int) -> bool:
+        """Gives req (at slot) the blocks for its first `tokens` positions; False (nothing given)
+        if the pool lacks them."""
+        if not self.paged:
+            return True
+        need = blocks_per_row(min(tokens, self.max_len + self.k), self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.pool.take(slot, need)
+        if got is None:
+            return False
+        req.blocks += got
+        self.table[slot, :len(req.blocks)] = req.blocks
+        self._table_changed = True
+        return True
+
+    def _make_room(self, generating: list[EngineRequest]) -> list[EngineRequest]:
+        """The generating requests that decode this step, each given the blocks its step writes
+        (its position and k drafts past it), oldest first; the newest running requests preempted
+        while the blocks run short."""
+        out = []
+        for r in sorted(generating, key=lambda r: r.id):
+            while r.slot is not None and not self._grow(r, r.slot, len(r.prompt) + len(r.tokens) + self.k):
+                self._preempt(max(self.running.values(), key=lambda x: x.id))
+            if r.slot is not None:
+                out.append(r)
+        return out
+
+    def _preempt(self, req: EngineRequest) -> None:
+        """Frees req's slot and blocks and queues it again first, to be prefilled anew with what it
+        has so far (`context`)."""
+        self._release(req)
+        req.slot = None
+        req.resume = (req.prompt + req.tokens[:-1]) if req.tokens else None
+        req.prefilled, req.preempted = 0, req.preempted + 1
+        self.counters["preemptions"] += 1
+        with self.lock:
+            self.waiting.appendleft(req)
+
+    def _release(self, req: EngineRequest) -> None:
+        """Frees req's slot and blocks (req.slot still says which slot it had)."""
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            if req.blocks:
+                self.pool.give(req.slot, req.blocks)
+            req.blocks = []
+            self.free.append(req.slot)
+            self.free.sort()
+
+    def _upload_table(self) -> None:
+        """The block table into the device state, when a request was given blocks."""
+        if self._table_changed:
+            self._table_changed = False
+            blocks = self.state.cache["blocks"]  # its sharding kept, so no program compiles again
+            cache = {**self.state.cache, "blocks": jax.device_put(self.table, blocks.sharding)}
+            self.state = self.state._replace(cache=cache)
+
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
@@ -206,9 +326,10 @@ class Engine:
 
     @staticmethod
     def _sampling(reqs: dict[int, EngineRequest], rows: int) -> decode.Sampling:
-        """How the requests at those rows (of `rows`) draw; the other rows greedy."""
+        """How the requests at those rows (of `rows`) draw; the other rows greedy. A request
+        prefilled anew after a preemption draws the token it had drawn last with that token's key."""
         return decode.Sampling.rows(rows, {i: r.sampling for i, r in reqs.items()},
-                                    {i: len(r.tokens) for i, r in reqs.items()})
+                                    {i: len(r.tokens) - (r.resume is not None) for i, r in reqs.items()})
 
     def _prefill(self, chosen: list[tuple[EngineRequest, int]]) -> None:
         R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
@@ -220,8 +341,8 @@ class Engine:
         ids, n_valid, fresh, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
                                      np.zeros(R, bool))
         for i, (r, n) in enumerate(chosen):
-            ids[i, :n] = r.prompt[r.prefilled: r.prefilled + n]
-            n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.prompt)
+            ids[i, :n] = r.context[r.prefilled: r.prefilled + n]
+            n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.context)
         with self.model.on_mesh():
             tokens, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids,
                                                 n_valid, fresh, ends, self._sampling(dict(enumerate(reqs)), R), self.cfg)
@@ -229,8 +350,11 @@ class Engine:
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for i, (r, n) in enumerate(chosen):
             r.prefilled += n
-            if r.prefilled == len(r.prompt):
-                self._emit(r, int(tokens[i]))
+            if r.prefilled == len(r.context):
+                if r.resume is None:
+                    self._emit(r, int(tokens[i]))
+                else:  # back where it was preempted: its last token is the next one to feed
+                    self.next_token[r.slot] = r.tokens[-1]
 
     def _decode(self, generating: list[EngineRequest]) -> None:
         """One token for every generating slot, or with speculation one verification round: 1 to
@@ -290,10 +414,7 @@ class Engine:
 
     def _finish(self, req: EngineRequest, reason: str) -> None:
         req.finish_reason = reason
-        if req.slot is not None and self.running.get(req.slot) is req:
-            del self.running[req.slot]
-            self.free.append(req.slot)
-            self.free.sort()
+        self._release(req)
         self.counters[f"finished_{reason}"] += 1
         if req.on_token is not None:
             req.on_token(req, None)
@@ -369,9 +490,10 @@ class Engine:
         with self.lock:
             running = list(self.running.values())  # one copy: the engine thread frees slots without the lock
             held = sum(r.prefilled + len(r.tokens) for r in running)
+            usage = self.pool.used / self.num_blocks if self.paged else held / (self.slots * self.max_len)
             return {"running": len(running), "waiting": len(self.waiting), "slots": self.slots,
-                    "slots_used": len(running), "cache_usage": held / (self.slots * self.max_len),
-                    **self.counters}
+                    "slots_used": len(running), "cache_usage": usage, "num_blocks": self.num_blocks,
+                    "blocks_used": self.pool.used, **self.counters}
 
 
 class StaticEngine(Engine):

@@ -69,8 +69,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError
-from dsv4_jax.runtime.engine import Engine, QueueFull, StaticEngine
+from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError, byte_size
+from dsv4_jax.runtime.engine import Engine, EngineConfigError, QueueFull, StaticEngine
 from dsv4_jax.runtime.request import RequestError, SamplingParams, check_prompt, input_too_long, prompt_field
 from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS
 from .chat import ChatError, ChatFormat, load_chat_format
@@ -215,8 +215,13 @@ class _EngineCollector:
         yield GaugeMetricFamily("dsv4:num_requests_waiting", "Requests waiting for a slot.", value=s["waiting"])
         yield GaugeMetricFamily("dsv4:num_slots", "Cache slots (sequences decoded together).", value=s["slots"])
         yield GaugeMetricFamily("dsv4:num_slots_used", "Cache slots holding a request.", value=s["slots_used"])
-        yield GaugeMetricFamily("dsv4:kv_cache_usage_perc", "Cache use: tokens held over the slots' capacity "
-                                "(1 = full).", value=s["cache_usage"])
+        yield GaugeMetricFamily("dsv4:kv_cache_usage_perc", "Cache use: blocks of the paged pools in use over "
+                                "all of them (1 = full).", value=s["cache_usage"])
+        yield GaugeMetricFamily("dsv4:num_blocks", "Blocks of the paged cache pools.", value=s["num_blocks"])
+        yield GaugeMetricFamily("dsv4:num_blocks_used", "Blocks of the paged cache pools held by requests.",
+                                value=s["blocks_used"])
+        yield CounterMetricFamily("dsv4:num_preemptions", "Requests preempted (blocks ran out; they are "
+                                  "prefilled again later).", value=s.get("preemptions", 0))
         yield CounterMetricFamily("dsv4:prompt_tokens", "Prompt tokens prefilled.", value=s.get("prompt_tokens", 0))
         yield CounterMetricFamily("dsv4:generation_tokens", "Tokens generated.", value=s.get("generation_tokens", 0))
         finished = CounterMetricFamily("dsv4:request_success", "Requests the engine finished, by reason "
@@ -748,8 +753,16 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     ap.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint "
                                                 "directory's name)")
-    ap.add_argument("--slots", type=int, default=8, help="sequences decoded together (cache rows; default 8)")
-    ap.add_argument("--max-len", type=int, default=4096, help="tokens per slot: prompt + output (default 4096)")
+    ap.add_argument("--max-num-seqs", "--slots", dest="slots", type=int, default=8,
+                    help="sequences decoded together (cache slots; default 8)")
+    ap.add_argument("--max-len", type=int, default=4096, help="tokens a sequence may hold: prompt + output "
+                                                              "(default 4096)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per block of the paged cache pools, a multiple of every compress ratio "
+                         "(default: the largest ratio, 128 for DeepSeek-V4)")
+    ap.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                    help="bytes for the paged cache pools, e.g. 8GiB (default: max-num-seqs sequences of "
+                         "max-len tokens)")
     ap.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more get "
                                                                 "503 (default 1024)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="largest prompt chunk prefilled in one step, "
@@ -844,10 +857,14 @@ def load_service(args, log=None) -> Service:
         () if cfg.eos_token_id is None else (cfg.eos_token_id,))
     if args.scheduler == "static" and args.speculative_tokens:
         raise ValueError("--scheduler static runs no speculation: drop --speculative-tokens")
-    engine = (Engine if args.scheduler == "continuous" else StaticEngine)(
-        model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-        max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
-        speculative_tokens=args.speculative_tokens)
+    try:
+        engine = (Engine if args.scheduler == "continuous" else StaticEngine)(
+            model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+            max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
+            speculative_tokens=args.speculative_tokens, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory)
+    except EngineConfigError as e:
+        raise ValueError(f"--{e.param.replace('_', '-')}: {e}") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
     log(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s ({args.dtype}; {engine.slots} slots of "
         f"{engine.max_len} tokens; eos ids {list(eos)}; chat: {chat.name})")
