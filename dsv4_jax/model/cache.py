@@ -183,23 +183,34 @@ def pool_view(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int = 1) -> jnp.nd
     """Every row's entries in order: pool `[NB, E, d]` read through the table blocks `[B, nb]` ->
     `[B, nb * E, d]` (entry e of row b at index e). groups: see `_by_group`."""
     B, nb = blocks.shape
+    if groups == 1:
+        return pool[blocks].reshape(B, nb * pool.shape[1], pool.shape[2])
     p, t = _by_group(pool, blocks, groups)
     return jax.vmap(lambda p, t: p[t])(p, t).reshape(B, nb * pool.shape[1], pool.shape[2])
+
+
+def _read(pool: jnp.ndarray, blocks: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
+    E = pool.shape[1]
+    block = jnp.take_along_axis(blocks, (ids // E).reshape(ids.shape[0], -1), axis=1).reshape(ids.shape)
+    return pool[block, ids % E]
 
 
 def pool_entries(pool: jnp.ndarray, blocks: jnp.ndarray, ids: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
     """The entries ids (int `[B, ...]`, in range) of each row, from pool `[NB, E, d]` through the
     table blocks `[B, nb]` -> `[B, ..., d]`. groups: see `_by_group`."""
-    E = pool.shape[1]
+    if groups == 1:
+        return _read(pool, blocks, ids)
     p, t = _by_group(pool, blocks, groups)
-    ids = ids.reshape((groups, -1) + ids.shape[1:])
-
-    def read(p, t, ids):
-        block = jnp.take_along_axis(t, (ids // E).reshape(ids.shape[0], -1), axis=1).reshape(ids.shape)
-        return p[block, ids % E]
-
-    out = jax.vmap(read)(p, t, ids)
+    out = jax.vmap(_read)(p, t, ids.reshape((groups, -1) + ids.shape[1:]))
     return out.reshape((-1,) + out.shape[2:])
+
+
+def _write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray, values: jnp.ndarray) -> jnp.ndarray:
+    E, nb = pools.shape[2], blocks.shape[1]
+    inside = (ids >= 0) & (ids < nb * E)
+    block = jnp.take_along_axis(blocks, jnp.clip(ids // E, 0, nb - 1), axis=1)
+    block = jnp.where(inside, block, pools.shape[1])  # out of range: dropped
+    return pools.at[layer, block, ids % E].set(values.astype(pools.dtype), mode="drop")
 
 
 def pool_write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray, values: jnp.ndarray,
@@ -207,17 +218,11 @@ def pool_write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray,
     """pools `[n, NB, E, d]` with values `[B, m, d]` written as entries ids (int `[B, m]`) of each
     row of layer `layer`; an id outside the table (e.g. `nb * E`) is dropped. groups: see
     `_by_group`."""
-    E, nb = pools.shape[2], blocks.shape[1]
+    if groups == 1:  # the plain scatter: in place in the donated cache (no copy of the stack)
+        return _write(pools, layer, blocks, ids, values)
     p, t = _by_group(pools, blocks, groups, axis=1)
     ids, values = (a.reshape((groups, -1) + a.shape[1:]) for a in (ids, values))
-
-    def write(p, t, ids, values):
-        inside = (ids >= 0) & (ids < nb * E)
-        block = jnp.take_along_axis(t, jnp.clip(ids // E, 0, nb - 1), axis=1)
-        block = jnp.where(inside, block, p.shape[1])  # out of range: dropped
-        return p.at[layer, block, ids % E].set(values.astype(p.dtype), mode="drop")
-
-    return jax.vmap(write, in_axes=(1, 0, 0, 0), out_axes=1)(p, t, ids, values).reshape(pools.shape)
+    return jax.vmap(_write, in_axes=(1, None, 0, 0, 0), out_axes=1)(p, layer, t, ids, values).reshape(pools.shape)
 
 
 def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16, lookahead: int = 0) -> dict:
