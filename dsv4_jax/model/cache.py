@@ -51,9 +51,14 @@ from .config import ModelConfig
 from .layer_kinds import COMPRESSED, KINDS
 
 
+def _compress_ratios(cfg: ModelConfig) -> list[int]:
+    """The compress ratios cfg's layers use (none for a window-only model: no pools)."""
+    return sorted(k.ratio for k in COMPRESSED if cfg.layers_of_ratio(k.ratio))
+
+
 def default_block_size(cfg: ModelConfig) -> int:
     """The smallest block every compress ratio of cfg divides (1 for a window-only model)."""
-    return math.lcm(1, *(k.ratio for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)))
+    return math.lcm(1, *_compress_ratios(cfg))
 
 
 def check_block_size(cfg: ModelConfig, block_size: int) -> None:
@@ -61,7 +66,7 @@ def check_block_size(cfg: ModelConfig, block_size: int) -> None:
     unit = default_block_size(cfg)
     if block_size < 1 or block_size % unit:
         raise ValueError(f"block size {block_size} must be a positive multiple of {unit} (every compress ratio "
-                         f"of the model, {sorted({k.ratio for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)})}, "
+                         f"of the model, {_compress_ratios(cfg)}, "
                          f"must divide it)")
 
 
@@ -92,7 +97,7 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     Dh, dI, R = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window + lookahead
     f32 = jnp.float32
     spec: dict = {"pos": ((batch,), jnp.int32)}
-    if any(cfg.layers_of_ratio(k.ratio) for k in COMPRESSED):
+    if _compress_ratios(cfg):
         spec["blocks"] = ((batch, nb), jnp.int32)
     for kind in KINDS:  # each kind's layers stacked on their own
         n = len(cfg.layers_of_ratio(kind.ratio))

@@ -37,7 +37,7 @@ class BlockPool:
     def give(self, row: int, blocks: list[int]) -> None:
         """Returns blocks a row held (to its shard's free list)."""
         pool = self._free[self.shard_of(row)]
-        pool.extend(sorted(blocks, reverse=True))
+        pool.extend(blocks)
         pool.sort(reverse=True)
 
     @property

@@ -147,12 +147,12 @@ class Engine:
             check_block_size(cfg, self.block_size)
         except ValueError as e:
             raise EngineConfigError("block_size", str(e)) from None
+        self.row_shards = 1 if model.mesh is None else cfg.layout.shards(sharding.BATCH, model.mesh)
         self.num_blocks = self._num_blocks(kv_cache_memory)
         self.state = self._new_state()
         self.paged = self.state is not None and "blocks" in self.state.cache
         self.table = np.zeros((self.slots, blocks_per_row(max_len + self.k, self.block_size)), np.int32)
-        shards = 1 if model.mesh is None else cfg.layout.shards(sharding.BATCH, model.mesh)
-        self.pool = BlockPool(self.num_blocks, self.slots, shards)
+        self.pool = BlockPool(self.num_blocks, self.slots, self.row_shards)
         self._table_changed = False
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
@@ -176,17 +176,17 @@ class Engine:
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         """The pools' blocks: what kv_cache_memory bytes hold, else one max_len sequence per slot;
         a multiple of the mesh's row shards, each shard able to hold one max_len sequence."""
-        nb = blocks_per_row(self.max_len + self.k, self.block_size)
-        shards = 1 if self.model.mesh is None else self.cfg.layout.shards(sharding.BATCH, self.model.mesh)
+        nb, shards = blocks_per_row(self.max_len + self.k, self.block_size), self.row_shards
         if kv_cache_memory is None:
             return self.slots * nb
         per = block_bytes(self.cfg, self.block_size, self.model.dtype)
         n = kv_cache_memory // max(per, 1) // shards * shards
         if n < nb * shards:
-            raise EngineConfigError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory} bytes holds {n} blocks of {self.block_size} tokens "
-                             f"({per} bytes each); one sequence of max_len {self.max_len} tokens needs {nb}"
-                             + (f" on each of the mesh's {shards} row shards" if shards > 1 else "")
-                             + f": at least {nb * shards * per} bytes")
+            raise EngineConfigError(
+                "kv_cache_memory", f"kv_cache_memory {kv_cache_memory} bytes holds {n} blocks of {self.block_size} "
+                f"tokens ({per} bytes each); one sequence of max_len {self.max_len} tokens needs {nb}"
+                + (f" on each of the mesh's {shards} row shards" if shards > 1 else "")
+                + f": at least {nb * shards * per} bytes")
         return n
 
     # ---- requests -----------------------------------------------------------------------------
