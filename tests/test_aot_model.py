@@ -34,13 +34,18 @@ def _abstract(spec):
     return {k: jax.ShapeDtypeStruct(*v) if isinstance(v, tuple) else _abstract(v) for k, v in spec.items()}
 
 
+# The FP8 cache (its compressed entries as 584-byte records, decoded where the step reads them)
+# on one TPU and one GPU target.
+CASES = [(t, "auto") for t in TARGETS] + [("v5p-8", "fp8"), ("h100x1", "fp8")]
+
+
 @pytest.mark.parametrize("tokens", [CHUNK, 1], ids=["prefill", "decode"])
-@pytest.mark.parametrize("target", TARGETS)
-def test_generate_step_compiles_with_pallas(target, tokens):
+@pytest.mark.parametrize("target, kv_cache_dtype", CASES)
+def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED).replace(attention_impl="pallas")
     params = map_spec(lambda path, leaf: jax.ShapeDtypeStruct(leaf[0], leaf_dtype(leaf[1], jnp.bfloat16)),
                       param_spec(cfg))
-    cache = _abstract(cache_spec(cfg, BATCH, MAX_LEN, jnp.bfloat16))
+    cache = _abstract(cache_spec(cfg, BATCH, MAX_LEN, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype))
     ids = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     result = aot.compile_for(target, jitted, params, cache, ids, cfg, True)
@@ -57,6 +62,9 @@ def test_generate_step_compiles_with_pallas(target, tokens):
     assert result.memory["alias_bytes"] > 0
     logits = result.compiled.out_info.logits
     assert logits.shape == (BATCH, 1, cfg.vocab_size) and logits.dtype == jnp.float32
+    pools = {k: result.compiled.out_info.cache[k]["pool"] for k in ("csa", "hca")}
+    want = ((584,), jnp.uint8) if kv_cache_dtype == "fp8" else ((cfg.head_dim,), jnp.bfloat16)
+    assert all((p.shape[-1:], p.dtype) == want for p in pools.values())
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h100x8"])

@@ -322,7 +322,27 @@ def test_chat_with_random_text_from_a_tokenizer(server, tmp_path, capsys):
     assert ids and max(ids) < 512 - 4 and min(ids) >= rc.FIRST_BYTE_ID
 
 
+def test_shared_prefix_prompts():
+    """--prefix-len P --num-prefixes K: request i is prefix i % K (drawn once) and its own random
+    part of --input-len .. --input-len-max tokens; as text too; the warm-up cycles the prefixes."""
+    specs = bs.random_prompts(12, 5, 3, text=False, vocab_size=1000, seed=2, input_len_max=9, prefix_len=40,
+                              num_prefixes=3)
+    prefixes = [specs[i].prompt[:40] for i in range(3)]
+    assert len({tuple(p) for p in prefixes}) == 3
+    for i, s in enumerate(specs):
+        assert s.prompt[:40] == prefixes[i % 3] and 45 <= len(s.prompt) <= 49 and s.output_len == 3
+    assert len({tuple(s.prompt[40:]) for s in specs}) == 12
+    text = bs.random_prompts(4, 3, 1, text=True, seed=2, prefix_len=10, num_prefixes=2)
+    assert text[0].prompt.split()[:10] == text[2].prompt.split()[:10] != text[1].prompt.split()[:10]
+    args, timed, warmup = bs.parse_args(["--vocab-size", "50", "--prefix-len", "20", "--num-prefixes", "2",
+                                         "--num-requests", "4", "--warmup", "2"])
+    assert [s.prompt[:20] for s in warmup] == [timed[0].prompt[:20], timed[1].prompt[:20]]
+
+
 BAD = [
+    (["--prefix-len", "-1"], "--prefix-len must be >= 0"),
+    (["--num-prefixes", "0"], "--num-prefixes must be >= 1"),
+    (["--prefix-len", "4", "--prompt-file", "x.jsonl"], "--prefix-len and --prompt-file exclude each other"),
     (["--num-requests", "0"], "--num-requests must be >= 1"),
     (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
     (["--request-rate", "-1"], "--request-rate must be > 0 or inf"),

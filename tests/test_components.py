@@ -65,7 +65,8 @@ def _indexer_topk(ip, x, c_q, cos, sin, freqs, cfg):
     B, S, _ = x.shape
     sa, sz = _fresh_state(B, CSA, ip["compressor"]["wkv"].shape[0])
     pool = jnp.zeros((B, max(1, S // CSA), cfg.index_head_dim), x.dtype)
-    return ours_attn.indexer_select(ip, x, c_q, cos, sin, pool, sa, sz, jnp.int32(0), freqs, cfg)[0]
+    keys = ours_attn.compress_chunk(ip["compressor"], x, sa, sz, jnp.int32(0), CSA, freqs, cfg)[0]
+    return ours_attn.indexer_select(ip, x, c_q, cos, sin, pool, keys, jnp.int32(0), cfg)
 
 
 _select_topk = jax.jit(select_topk, static_argnums=(2,))

@@ -153,7 +153,7 @@ def test_decode_step_gathers_no_expert_weights(native):
 def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     """The serving engine on data=2 x expert=4 (dp_attention): its 8 slots split over the devices
     by sequence (each device holds one slot's cache row), requests joining while others decode:
-    each request's greedy tokens equal one device's."""
+    each request's greedy tokens equal one device's, also when served again from its cached prefix."""
     from dsv4_jax.runtime.engine import Engine
 
     prompts, want = greedy_alone
@@ -171,6 +171,13 @@ def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     eng.run_until_idle()
     assert [r.tokens for r in reqs] == want
     assert all(eng.pool.shard_of(r.slot) == b // per_device for r in reqs for b in eng.table[r.slot][:1])
+    # Again: the 130-token prompt goes to the device holding its cached first block and reads it
+    # from there (prefix caching), its tokens unchanged.
+    hits = eng.counters["prefix_cache_hits"]
+    again = [eng.submit(p, 12) for p in prompts[::-1]]
+    eng.run_until_idle()
+    assert [r.tokens for r in again] == want[::-1]
+    assert eng.counters["prefix_cache_hits"] - hits == 128
 
 
 def test_bad_meshes_and_layouts(native):

@@ -177,3 +177,24 @@ def test_too_little_cache_memory_is_refused(model):
     with pytest.raises(ValueError, match=r"kv_cache_memory .* holds 1 blocks of 128 tokens .* max_len 256 tokens "
                                          r"needs 2"):
         Engine(model, slots=2, max_len=256, kv_cache_memory=per + 1)
+
+
+def test_default_cache_memory_is_what_the_device_has_free(model, monkeypatch):
+    """Without kv_cache_memory the pools take 90 % of the device's free memory less the slots'
+    rings and states (read off the allocated state here); a device reporting no memory (this
+    CPU) gets one max_len sequence per slot; too little free memory is the kv_cache_memory error."""
+    from dsv4_jax.runtime import engine as engine_module
+
+    assert engine_module.device_free_bytes(jax.devices()[:1]) is None  # XLA:CPU reports none
+    assert Engine(model, slots=2, max_len=256).num_blocks == 2 * 2
+    per = block_bytes(CFG, 128, jnp.float32)
+    free = 50 * per
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: free)
+    eng = Engine(model, slots=2, max_len=256)
+    rows = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(eng.state.cache)
+               if getattr(path[-1], "key", None) != "pool")
+    assert eng.num_blocks == (int(free * 0.9) - rows) // per > 2 * 2
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: per)
+    with pytest.raises(ValueError, match="kv_cache_memory .* holds 0 blocks"):
+        Engine(model, slots=2, max_len=256)
+

@@ -70,6 +70,31 @@ def test_plan_small_flash(tmp_path, capsys):
     assert search["tried"][str(lengths[-1])] > search["tried"][str(lengths[0])]
 
 
+def test_cache_section_with_fp8_records(tmp_path, capsys):
+    """--kv-cache-dtype fp8 --seq-len: the compressed entries as 584-byte records (head_dim 512)
+    against bf16's 1,024 bytes, in the compiled cache and in the sequence count: a sequence's
+    bytes are its rings and states plus its blocks, and the free memory holds that many."""
+    cfg = _config(tmp_path, SMALL, "small")
+    outs = {}
+    for kv in ("auto", "fp8"):
+        assert plan.main([cfg, "--target", "v5p-8", "--max-len", "1024", "--prefill-chunk", "64", "--seq-len",
+                          "4096", "--kv-cache-dtype", kv, "--no-max-context"]) == 0
+        outs[kv] = json.loads(capsys.readouterr().out)
+    c, b = outs["fp8"]["cache"], outs["auto"]["cache"]
+    assert c["kv_cache_dtype"] == "fp8" and c["seq_len"] == 4096
+    # a block of 128 tokens: 2 ratio-4 layers x 32 entries + 1 ratio-128 layer x 1, and the indexer's keys
+    keys = 2 * 32 * 128 * 2
+    assert b["block_bytes"] == 65 * 1024 + keys and c["block_bytes"] == 65 * 584 + keys
+    assert c["bf16_bytes_per_sequence"] == b["bytes_per_sequence"]
+    assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == 32 * 65 * (1024 - 584)  # 32 blocks of 4096 tokens
+    for x in (b, c):
+        assert x["sequences_per_device"] == x["free_bytes"] // x["bytes_per_sequence"] > 0
+        assert x["sequences"] == 4 * x["sequences_per_device"]  # dp_attention: one piece per device
+    assert c["sequences_per_device"] > b["sequences_per_device"]
+    assert outs["fp8"]["per_device"]["cache_bytes"] < outs["auto"]["per_device"]["cache_bytes"]
+    assert outs["fp8"]["decode"]["min_bytes"] < outs["auto"]["decode"]["min_bytes"]
+
+
 def test_too_big_for_one_h100(tmp_path, capsys):
     cfg = _config(tmp_path, HUGE_VOCAB, "huge")
     assert plan.main([cfg, "--target", "h100x1", "--max-len", "256", "--prefill-chunk", "16"]) == 0
@@ -162,6 +187,8 @@ def test_full_size_configs():
     (["flash", "--target", "v5p-8", "--weight-dtype", "int8"], "unknown --weight-dtype"),
     (["flash", "--target", "v5p-8", "--max-len", "64", "--prefill-chunk", "128"], "exceeds --max-len"),
     (["flash", "--target", "v5p-8", "--batch", "two"], "invalid int value"),
+    (["flash", "--target", "v5p-8", "--kv-cache-dtype", "fp4"], "unknown --kv-cache-dtype 'fp4'"),
+    (["flash", "--target", "v5p-8", "--seq-len", "0"], "--seq-len must be positive"),
 ])
 def test_bad_input_is_one_line_and_exit_1(args, message, capsys):
     assert plan.main(args) == 1

@@ -218,26 +218,22 @@ def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
 
 
 def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
-                   keys_pool: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
-                   freqs: jnp.ndarray, cfg: ModelConfig, n_valid: jnp.ndarray | None = None):
+                   keys_pool: jnp.ndarray, new_keys: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """The indexer's top-min(index_topk, pool rows) absolute entry ids for each query of the chunk.
 
     x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[B, T, rope/2]` at the query positions, keys_pool
-    `[B, P, dI]` the cached keys, p0 and n_valid `[B]` as compress_chunk. Returns (ids int32
-    `[B, T, K]`, -1 where fewer are visible; the chunk's new keys, their count and the new
-    compressor state, as compress_chunk)."""
+    `[B, P, dI]` the cached keys, new_keys `[B, n, dI]` the chunk's (its indexer compressor's
+    entries, as compress_chunk gives them), p0 `[B]` the rows' first positions. Returns ids int32
+    `[B, T, K]`, -1 where fewer are visible."""
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
-    new_keys, n_new, new_a, new_z = compress_chunk(ip["compressor"], x, state_a, state_z, p0, CSA, freqs, cfg,
-                                                   n_valid=n_valid)
     q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     P = keys_pool.shape[1]
     # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
     scores = _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
-    ids = select_topk(scores, visible_entries(p0, T, CSA), min(cfg.index_topk, P))
-    return ids, new_keys, n_new, new_a, new_z
+    return select_topk(scores, visible_entries(p0, T, CSA), min(cfg.index_topk, P))
 
 
 def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:

@@ -17,6 +17,9 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
     pos            int32 [B]                tokens already in each row
     blocks         int32 [B, nb]            block table: the physical block of each logical one
                                             (a model with compressed layers only)
+    shared         int32 [B]                positions before it sit in blocks shared with other rows
+                                            (prefix caching): their entries are read from the pools,
+                                            never computed into them (with the table)
     window (window-only layers, n of them):
       ring         [n, B, W + la, Dh]           sliding-window K=V rows
     csa (ratio-4 layers):
@@ -33,10 +36,22 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
       pool         [n, NB, block_size / 128, Dh]
       state_a/z    [n, B, 128 + la, Dh]  fp32   projections of the current block's positions
 
+With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry as DeepSeek's FP8
+record (dsv4_jax/model/kv_record.py: e4m3 NoPE values with a power-of-two scale per 64, bf16
+RoPE values; 584 bytes for head_dim 512) in uint8 `[n, NB, E, record bytes]`; the model rounds
+an entry to what its record holds when it computes it and decodes the records it reads. The
+indexer's keys stay in the compute dtype.
+
 A row reads only slots and entries of positions below its own that it wrote itself (positions
 before 0 count as missing: a block before the first gets softmax weight 0), so a row is reset by
 setting its position to 0 (`reset_rows`), and slots and entries past a position hold
 don't-cares (finite: every pool starts at zero and only ever holds computed entries).
+
+A row can also start at a position p > 0 over blocks another row computed (prefix caching): its
+table names the shared blocks, `shared` the position they end at, and its rings and compressor
+states hold another sequence's don't-cares. Running the `recompute_span` tokens before `shared`
+again makes every layer's window and compressor state at `shared` what a run from position 0
+gives (the don't-cares reach only outputs that no later position reads).
 """
 
 from __future__ import annotations
@@ -48,7 +63,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .layer_kinds import COMPRESSED, KINDS
+from .kv_record import record_bytes
+from .layer_kinds import COMPRESSED, CSA, KINDS
+
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Raises ValueError unless kv_cache_dtype is one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
 
 
 def _compress_ratios(cfg: ModelConfig) -> list[int]:
@@ -86,12 +110,14 @@ def indexer_state_layers(cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0, *,
-               block_size: int | None = None, num_blocks: int | None = None) -> dict:
+               block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Nested dict of (shape, dtype) with the cache's structure (see the module doc): `batch` rows
     of up to max_len tokens, pools of `num_blocks` blocks (default: batch * blocks_per_row) of
-    `block_size` tokens (default: default_block_size)."""
+    `block_size` tokens (default: default_block_size), the compressed entries in `dtype` or
+    (kv_cache_dtype "fp8") as FP8 records."""
     block_size = default_block_size(cfg) if block_size is None else block_size
     check_block_size(cfg, block_size)
+    check_kv_cache_dtype(kv_cache_dtype)
     nb = blocks_per_row(max_len, block_size)
     NB = batch * nb if num_blocks is None else num_blocks
     Dh, dI, R = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window + lookahead
@@ -99,6 +125,7 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     spec: dict = {"pos": ((batch,), jnp.int32)}
     if _compress_ratios(cfg):
         spec["blocks"] = ((batch, nb), jnp.int32)
+        spec["shared"] = ((batch,), jnp.int32)
     for kind in KINDS:  # each kind's layers stacked on their own
         n = len(cfg.layers_of_ratio(kind.ratio))
         if not n:
@@ -106,7 +133,8 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
         spec[kind.name] = {"ring": ((n, batch, R, Dh), dtype)}
         if kind.ratio:
             E, s, w = block_size // kind.ratio, kind.state_rows(lookahead), kind.compressor_width(Dh)
-            spec[kind.name].update(pool=((n, NB, E, Dh), dtype), state_a=((n, batch, s, w), f32),
+            entry = ((record_bytes(Dh, cfg.rope_head_dim),), jnp.uint8) if kv_cache_dtype == "fp8" else ((Dh,), dtype)
+            spec[kind.name].update(pool=((n, NB, E) + entry[0], entry[1]), state_a=((n, batch, s, w), f32),
                                    state_z=((n, batch, s, w), f32))
         ni = len(indexer_state_layers(cfg)) if kind.indexer else 0
         if ni:
@@ -116,38 +144,51 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     return spec
 
 
-def block_bytes(cfg: ModelConfig, block_size: int, dtype=jnp.bfloat16) -> int:
+def block_bytes(cfg: ModelConfig, block_size: int, dtype=jnp.bfloat16, kv_cache_dtype: str = "auto") -> int:
     """Bytes one block takes in all the pools together (every compressed layer's entries and
     indexer keys for block_size tokens)."""
-    spec = cache_spec(cfg, 1, block_size, dtype, block_size=block_size, num_blocks=1)
+    spec = cache_spec(cfg, 1, block_size, dtype, block_size=block_size, num_blocks=1, kv_cache_dtype=kv_cache_dtype)
     return sum(int(np.prod(g["pool"][0], dtype=np.int64)) * jnp.dtype(g["pool"][1]).itemsize
                for g in spec.values() if isinstance(g, dict) and "pool" in g)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, lookahead: int = 0, *,
-               block_size: int | None = None, num_blocks: int | None = None) -> dict:
+               block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     """An empty cache for `batch` sequences of up to `max_len` tokens (see the module doc), each
     row its own blocks when the pools have them all (the default), else every row's table at
-    block 0 (the caller hands blocks out)."""
+    block 0 (the caller hands blocks out); kv_cache_dtype: as cache_spec."""
     def walk(spec):
         return {k: jnp.zeros(*v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
 
-    cache = walk(cache_spec(cfg, batch, max_len, dtype, lookahead, block_size=block_size, num_blocks=num_blocks))
+    cache = walk(cache_spec(cfg, batch, max_len, dtype, lookahead, block_size=block_size, num_blocks=num_blocks,
+                            kv_cache_dtype=kv_cache_dtype))
     if "blocks" in cache and (num_blocks is None or num_blocks >= cache["blocks"].size):
         cache["blocks"] = jnp.arange(cache["blocks"].size, dtype=jnp.int32).reshape(cache["blocks"].shape)
     return cache
 
 
-def reset_rows(cache: dict, rows: jnp.ndarray) -> dict:
-    """The cache with the rows where `rows` (bool `[B]`) is set emptied (position 0: nothing they
-    hold is read again); the others as they were."""
-    return {**cache, "pos": jnp.where(rows, 0, cache["pos"])}
+def recompute_span(cfg: ModelConfig, lookahead_layers: int = 0) -> int:
+    """Tokens before a reuse point p that must run again, from any state, for every layer's window
+    ring and compressor state at p to be what a run from position 0 gives. A layer's K=V rows at
+    a position are exact once its input is; its outputs, W - 1 positions later (they read the
+    window). So layer l's input is exact from l * (W - 1) positions after the restart, and at p
+    the last layer needs W - 1 positions of its window, and the ratio-4 compressor the previous
+    block (4), before p. `lookahead_layers` more layers run on the stack's output (the MTP block:
+    one, its window one position behind)."""
+    W = cfg.sliding_window
+    return (cfg.num_layers - 1) * (W - 1) + max(W - 1, CSA) + lookahead_layers * W
+
+
+def reset_rows(cache: dict, rows: jnp.ndarray, start=0) -> dict:
+    """The cache with the rows where `rows` (bool `[B]`) is set restarted at position `start` (int
+    or int32 `[B]`; 0: emptied, nothing they hold is read again); the others as they were."""
+    return {**cache, "pos": jnp.where(rows, start, cache["pos"])}
 
 
 def _per_row(path) -> int | None:
     """The row axis of a cache leaf (None for a pool, which the rows share)."""
     keys = tuple(getattr(k, "key", k) for k in path)
-    if keys in (("pos",), ("blocks",)):
+    if keys in (("pos",), ("blocks",), ("shared",)):
         return 0
     return None if keys[-1] == "pool" else 1
 
@@ -230,10 +271,11 @@ def pool_write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray,
     return jax.vmap(_write, in_axes=(1, None, 0, 0, 0), out_axes=1)(p, layer, t, ids, values).reshape(pools.shape)
 
 
-def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16, lookahead: int = 0) -> dict:
+def cache_bytes(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bfloat16, lookahead: int = 0,
+                kv_cache_dtype: str = "auto") -> dict:
     """Bytes of a cache per layer kind (window rings included; the indexer's keys count as
     ratio-4; the block table apart): {"window": ..., "csa": ..., "hca": ..., "total": ...}."""
-    spec = cache_spec(cfg, batch, max_len, dtype, lookahead)
+    spec = cache_spec(cfg, batch, max_len, dtype, lookahead, kv_cache_dtype=kv_cache_dtype)
 
     def size(s):
         if isinstance(s, tuple):

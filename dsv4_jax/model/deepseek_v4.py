@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.numerics import rms_norm
-from . import attention, sharding
+from . import attention, kv_record, sharding
 from .cache import indexer_state_layers, init_cache, pool_entries, pool_view, pool_write
 from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
 from .config import ModelConfig
@@ -107,6 +107,7 @@ class _Chunk(NamedTuple):
     rope: jnp.ndarray  # fp32 [2 (window-only, compressed), 2 (cos, sin), B, T, rope/2]
     compress_freqs: jnp.ndarray  # [rope/2]
     blocks: jnp.ndarray | None  # int32 [B, nb]: each row's block table (cache.py); None without pools
+    shared: jnp.ndarray  # int32 [B]: positions before it are in shared blocks (cache.py), 0 without pools
     groups: int  # row / block groups of the pools' reads and writes (cache._by_group): 1 unless in place on a mesh
 
 
@@ -162,6 +163,37 @@ def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), jnp.float32(jnp.nan)
 
 
+def _loaded(rows: jnp.ndarray, cfg: ModelConfig, dtype) -> jnp.ndarray:
+    """Entries read from a pool `[..., Dh]`; FP8 records `[..., R]` (cache.py) decoded to dtype."""
+    if rows.dtype != jnp.uint8:
+        return rows
+    return kv_record.decode(rows, cfg.head_dim, cfg.rope_head_dim, dtype)
+
+
+def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """A chunk's new entries `[B, n, Dh]` as `pool` will hold them: the values of their FP8
+    records when it holds records, so that the chunk reads what later steps read."""
+    return kv_record.fp8_round(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint8 else entries
+
+
+def _stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Entries `[B, n, Dh]` in the form `pool` stores: FP8 records `[B, n, R]` or themselves."""
+    return kv_record.encode(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint8 else entries
+
+
+def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg: ModelConfig) -> jnp.ndarray:
+    """A chunk's new entries `[B, n, d]` (row b's i-th is entry p0[b] // ratio + i), those before
+    the row's shared position taken from its shared blocks in pool `[NB, E, d]` instead: a row
+    restarted inside a cached prefix computes them from don't-cares (cache.py), and its later
+    positions must read the entries the prefix really has. Decode never starts inside one."""
+    if entries.shape[1] == 0 or ch.rope.shape[3] == 1:
+        return entries
+    ids = ch.p0[:, None] // ratio + jnp.arange(entries.shape[1], dtype=jnp.int32)
+    held = jnp.clip(ids, 0, ch.blocks.shape[1] * pool.shape[1] - 1)
+    return jnp.where((ids < ch.shared[:, None] // ratio)[..., None],
+                     _loaded(pool_entries(pool, ch.blocks, held, ch.groups), cfg, entries.dtype), entries)
+
+
 def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: bool):
     """A ratio-4 layer: window plus the indexer's top-k compressed entries; with `reuse`
     (IndexCache) the last computing layer's entry ids, with this layer's own rows."""
@@ -170,38 +202,47 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
     entries, n_new, sa, sz = attention.compress_chunk(
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
-    out = {"csa": {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}}
+    entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
+    out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
+                   "state_z": sz}}
     overlap = jnp.float32(jnp.nan)
 
-    def own_selection():
+    def indexer_keys():
+        """This layer's indexer keys of the chunk (and its compressor's payload) and its key pool."""
         ci = take_layer(caches["indexer"], lay.index_local)
+        keys, n_keys, isa, isz = attention.compress_chunk(
+            own["indexer"]["compressor"], lay.x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
+            n_valid=ch.n_valid)
+        keys = _pinned(keys, ci["pool"], ch, CSA, cfg)
+        return {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}, ci["pool"]
+
+    def own_selection(keys, key_pool):
         return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin,
-                                        pool_view(ci["pool"], ch.blocks, ch.groups), ci["state_a"],
-                                        ci["state_z"], ch.p0, ch.compress_freqs, cfg, n_valid=ch.n_valid)
+                                        pool_view(key_pool, ch.blocks, ch.groups), keys, ch.p0, cfg)
 
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
         ids = last_ids
-        if ctx.measure_reuse:
-            overlap = attention.selection_overlap(own_selection()[0], ids)
-        if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
-            ci = take_layer(caches["indexer"], lay.index_local)
-            keys, n_keys, isa, isz = attention.compress_chunk(
-                own["indexer"]["compressor"], lay.x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
-                n_valid=ch.n_valid)
-            out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+        if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
+            payload, key_pool = indexer_keys()
+            if ctx.measure_reuse:
+                overlap = attention.selection_overlap(own_selection(payload["entries"], key_pool), ids)
+            if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
+                out["indexer"] = payload
     else:
-        ids, keys, n_keys, isa, isz = own_selection()
-        out["indexer"] = {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}
+        out["indexer"], key_pool = indexer_keys()
+        ids = own_selection(out["indexer"]["entries"], key_pool)
     first = ch.p0 // CSA
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
-        rows = jnp.where(old, pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups),
+        rows = jnp.where(old, _loaded(pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups), cfg,
+                                      entries.dtype),
                          jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
                                              axis=2))
         comp_rows = rows[:, 0]
         comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
     else:
-        comp_rows, comp_idx = attention.in_entry_order(pool_view(c["pool"], ch.blocks, ch.groups), entries, first), ids
+        pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
+        comp_rows, comp_idx = attention.in_entry_order(pool, entries, first), ids
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), overlap
 
@@ -214,12 +255,14 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     entries, n_new, sa, sz = attention.compress_chunk(
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid)
-    pool = pool_view(c["pool"], ch.blocks, ch.groups)
+    entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, HCA, cfg)
+    pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"kv": lay.kv, "entries": entries, "n_new": n_new, "state_a": sa, "state_z": sz}
+    payload = {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
+               "state_z": sz}
     return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
 
 
@@ -238,7 +281,8 @@ def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> di
     """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
     dropped), each row at its own positions: the chunk's K=V rows and compressor projections into
     their rings (`attention.ring_writes`), the entries the row completed at their ids, in the
-    blocks its table (chunk.blocks) names."""
+    blocks its table (chunk.blocks) names, except those before the row's shared position (the
+    shared blocks hold them)."""
     out = dict(stacks)
     B = chunk.p0.shape[0]
     T = chunk.rope.shape[3]
@@ -251,7 +295,8 @@ def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> di
     ratio = _RATIO_OF[group]
     if ratio is not None:
         i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
-        at = jnp.where(i < payload["n_new"][:, None], chunk.p0[:, None] // ratio + i, -1)
+        at = chunk.p0[:, None] // ratio + i
+        at = jnp.where((i < payload["n_new"][:, None]) & (at >= chunk.shared[:, None] // ratio), at, -1)
         out["pool"] = pool_write(stacks["pool"], target, chunk.blocks, at, payload["entries"], chunk.groups)
     return out
 
@@ -304,7 +349,8 @@ def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place
     rope = jnp.stack([jnp.stack(cos_sin(positions, window_freqs)), jnp.stack(cos_sin(positions, compress_freqs))])
     mesh = sharding.active(cfg)
     groups = cfg.layout.shards(sharding.BATCH, mesh) if rows_in_place and mesh is not None else 1
-    return _Chunk(p0, n_valid, rope, compress_freqs, cache.get("blocks"), groups if B % groups == 0 else 1)
+    shared = cache.get("shared", jnp.zeros((B,), jnp.int32))
+    return _Chunk(p0, n_valid, rope, compress_freqs, cache.get("blocks"), shared, groups if B % groups == 0 else 1)
 
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
@@ -456,12 +502,14 @@ class DeepseekV4(Block):
         return -(-B // n) * n
 
     def new_cache(self, rows: int, max_len: int, cfg: ModelConfig | None = None, lookahead: int = 0, *,
-                  block_size: int | None = None, num_blocks: int | None = None) -> dict:
+                  block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> dict:
         """An empty cache of `rows` sequences of up to max_len tokens on the model's devices (rows
         and pool blocks split over the mesh's batch axes). cfg: the config with this call's options
-        (default the model's); lookahead, block_size, num_blocks: as `cache.init_cache`."""
+        (default the model's); lookahead, block_size, num_blocks, kv_cache_dtype: as
+        `cache.init_cache`."""
         cfg = self.config if cfg is None else cfg
-        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead, block_size=block_size, num_blocks=num_blocks)
+        cache = init_cache(cfg, rows, max_len, self.dtype, lookahead, block_size=block_size, num_blocks=num_blocks,
+                           kv_cache_dtype=kv_cache_dtype)
         if self.mesh is None:
             return cache
         return jax.device_put(cache, sharding.cache_shardings(cache, self.mesh, cfg.layout))

@@ -180,10 +180,10 @@ def matrix_axes(path: tuple[str, ...]) -> tuple:
 
 
 def cache_axes(path: tuple[str, ...], ndim: int) -> tuple:
-    """Logical axes of a cache leaf: `pos` `[B]` and the block table `[B, nb]` by rows, every stack
-    `[n, B, ...]` by rows, a pool `[n, NB, E, d]` by blocks (a row's blocks on its rows' devices:
-    the engine hands them out so)."""
-    if path in (("pos",), ("blocks",)):
+    """Logical axes of a cache leaf: `pos` and `shared` `[B]` and the block table `[B, nb]` by rows,
+    every stack `[n, B, ...]` by rows, a pool `[n, NB, E, d]` by blocks (a row's blocks on its
+    rows' devices: the engine hands them out so)."""
+    if path in (("pos",), ("blocks",), ("shared",)):
         return (BATCH,) + (None,) * (ndim - 1)
     return (None, BATCH) + (None,) * (ndim - 2)
 

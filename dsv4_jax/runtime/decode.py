@@ -81,13 +81,14 @@ class Sampling(NamedTuple):
 
 
 def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,
-              block_size: int | None = None, num_blocks: int | None = None) -> DecodeState:
+              block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
-    `num_blocks` blocks of `block_size` tokens: cache.init_cache); with k drafts a round, rings k
+    `num_blocks` blocks of `block_size` tokens, entries as kv_cache_dtype: cache.init_cache); with k drafts a round, rings k
     slots wider and the MTP block's state (speculative.py). Committed to the devices, as every
     program's output is, so that the first call compiles the program the later ones run."""
     cfg = model.config if cfg is None else cfg
-    state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k, block_size=block_size, num_blocks=num_blocks))
+    state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k, block_size=block_size, num_blocks=num_blocks,
+                                        kv_cache_dtype=kv_cache_dtype))
     if k:
         hidden = (rows, k + 1, cfg.hc_mult, cfg.hidden_size)
         with model.on_mesh():
@@ -100,22 +101,27 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
 
 
 @partial(jax.jit, static_argnums=(9,), donate_argnums=(2,))
-def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, fresh, ends, sample: Sampling, cfg: ModelConfig):
+def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sample: Sampling, cfg: ModelConfig):
     """A chunk ids `[R, T]` (n_valid `[R]` real tokens per row) into the state's rows `rows` (int
-    `[R]`, run as one sub-batch; None: every row, in place), the rows where `fresh` (bool `[R]`)
-    reset first. With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row
-    whose prompt `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its
-    last prompt position and the token sampled after it. Returns (each row's token sampled after
-    its chunk `[R]`, the state)."""
+    `[R]`, run as one sub-batch; None: every row, in place), the rows with a `start` (int32 `[R]`;
+    -1: go on where the row is) restarted at that position first: 0 for a new prompt, or a
+    position inside a cached prefix whose blocks the row's table names (cache.py, prefix caching).
+    With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row whose prompt
+    `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its last prompt
+    position and the token sampled after it. Returns (each row's token sampled after its chunk
+    `[R]`, the state)."""
     whole = rows is None
     at = slice(None) if whole else rows
-    sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), fresh)
+    restart = None if whole else start >= 0
+    sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), restart, start)
     p0 = sub["pos"]
     out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole)
     tokens = sample.sample(out.logits[:, 0])
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
     if mtp is not None:
-        block = state.mtp_cache if whole else reset_rows(take_rows(state.mtp_cache, rows), fresh)
+        # The block runs one position behind the model (speculative.prefill_block).
+        block = state.mtp_cache if whole else reset_rows(take_rows(state.mtp_cache, rows), restart,
+                                                         jnp.maximum(start - 1, 0))
         block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, out.hidden, ids, p0,
                                                  n_valid, state.carry[at], cfg)
         state = state._replace(mtp_cache=block if whole else put_rows(state.mtp_cache, rows, block),

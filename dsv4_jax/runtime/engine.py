@@ -28,11 +28,21 @@ newest running request is preempted: its blocks and slot are freed and it waits 
 front of the queue, to be prefilled anew with its prompt and the tokens it has produced (their
 sampling keys unchanged), then to go on where it stopped; nothing it streamed changes.
 
+With prefix caching (`enable_prefix_caching`, on by default), full blocks stay cached by the
+tokens up to their end (dsv4_jax/runtime/blocks.py), also after their request ends. An admitted
+request takes the longest cached prefix of its context (full blocks, up to its last token, which
+must run for its first token) and prefills from `recompute_span` tokens before the reuse point:
+those tokens run again to rebuild the window rings and compressor states there, their compressed
+entries read from the shared blocks (dsv4_jax/model/cache.py), then the rest of the prompt runs
+as usual. Its tokens are those it gets without the cache. The counters `prefix_cache_queries`
+and `prefix_cache_hits` count the admitted prompt tokens looked up and those found (vLLM's).
+
 Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
 pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
 `warmup()` (which also runs each program once) nothing compiles, whatever the requests. A
 prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
-are those `generate` gives for its prompt alone.
+are those `generate` gives for its prompt alone (after a prefix-cache hit its chunks start at its
+recomputed span instead: the same values to fp32 rounding, tests/test_prefix_cache.py).
 
 With `speculative_tokens` k (dsv4_jax/runtime/speculative.py: the checkpoint's MTP block drafts, the main
 model verifies), the decode step is one verification round: each generating slot gets 1 to
@@ -54,15 +64,31 @@ import jax
 import numpy as np
 
 from dsv4_jax.model import sharding
-from dsv4_jax.model.cache import block_bytes, blocks_per_row, check_block_size, default_block_size
+from dsv4_jax.model.cache import (block_bytes, blocks_per_row, cache_spec, check_block_size, check_kv_cache_dtype,
+                                  default_block_size, recompute_span)
 from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
-from .blocks import BlockPool
+from .blocks import BlockPool, chain
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import run_request
 from .request import (MAX_SPECULATIVE_TOKENS, Request, SamplingParams, check_prompt, check_speculative_tokens,
                       validate_request)
+
+
+KV_CACHE_FRACTION = 0.9  # of a device's free memory for the cache when kv_cache_memory is not given
+
+
+def device_free_bytes(devices: list) -> int | None:
+    """The least free memory of `devices` (bytes_limit - bytes_in_use, as the runtime reports
+    it), None when one reports none (a CPU)."""
+    free = []
+    for d in devices:
+        stats = d.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
 
 
 class EngineConfigError(ValueError):
@@ -96,6 +122,9 @@ class EngineRequest:
     prefilled: int = 0  # tokens of `context` in the cache
     cancelled: bool = False
     blocks: list[int] = dataclasses.field(default_factory=list)  # the cache blocks it holds, in order
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # blocks.chain keys of its full blocks so far
+    cached: int = 0  # its first blocks known to the prefix cache
+    start: int = 0  # the position its prefill starts from (inside a cached prefix after a hit)
     resume: list[int] | None = None  # after a preemption: the prompt and the tokens it had drawn but the last
     preempted: int = 0
 
@@ -104,6 +133,17 @@ class EngineRequest:
         """The tokens to prefill: the prompt, or after a preemption the prompt and every token it
         drew but the last (which the next decode step feeds)."""
         return self.prompt if self.resume is None else self.resume
+
+    @property
+    def in_cache(self) -> int:
+        """Positions its cache holds: those prefilled, then every token but the last drawn."""
+        n = len(self.context)
+        return self.prefilled if self.prefilled < n else max(n, len(self.prompt) + len(self.tokens) - 1)
+
+    def tokens_at(self, a: int, b: int) -> list[int]:
+        """Its tokens at positions a .. b - 1 (the prompt's, then those it drew)."""
+        n = len(self.prompt)
+        return self.prompt[a:b] + self.tokens[max(a - n, 0):max(b - n, 0)]
 
     @property
     def done(self) -> bool:
@@ -119,7 +159,8 @@ class Engine:
 
     def __init__(self, model: DeepseekV4, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0,
-                 block_size: int | None = None, kv_cache_memory: int | None = None):
+                 block_size: int | None = None, kv_cache_memory: int | None = None,
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
         cfg = model.config
         if speculative_tokens and model.mtp is None:
             raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
@@ -147,12 +188,20 @@ class Engine:
             check_block_size(cfg, self.block_size)
         except ValueError as e:
             raise EngineConfigError("block_size", str(e)) from None
+        try:
+            check_kv_cache_dtype(kv_cache_dtype)
+        except ValueError as e:
+            raise EngineConfigError("kv_cache_dtype", str(e)) from None
+        self.kv_cache_dtype = kv_cache_dtype
         self.row_shards = 1 if model.mesh is None else cfg.layout.shards(sharding.BATCH, model.mesh)
         self.num_blocks = self._num_blocks(kv_cache_memory)
         self.state = self._new_state()
         self.paged = self.state is not None and "blocks" in self.state.cache
         self.table = np.zeros((self.slots, blocks_per_row(max_len + self.k, self.block_size)), np.int32)
-        self.pool = BlockPool(self.num_blocks, self.slots, self.row_shards)
+        self.shared = np.zeros((self.slots,), np.int32)  # each slot's reuse point (cache.py's `shared`)
+        self.prefix_caching = enable_prefix_caching and self.paged
+        self.pool = BlockPool(self.num_blocks, self.slots, self.row_shards, caching=self.prefix_caching)
+        self.recompute = recompute_span(cfg, lookahead_layers=1 if self.k else 0)
         self._table_changed = False
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
@@ -162,6 +211,8 @@ class Engine:
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
         self.counters = collections.Counter()
+        if self.prefix_caching:
+            self.counters["prefix_cache_queries"] = self.counters["prefix_cache_hits"] = 0
         if self.k:  # reported from the start, zero until a round runs
             for name in (*speculative.SPEC_DECODE_COUNTERS, *map(speculative.accepted_at, range(self.k))):
                 self.counters[name] = 0
@@ -174,12 +225,22 @@ class Engine:
         return unstack_layers(self.model.params)
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
-        """The pools' blocks: what kv_cache_memory bytes hold, else one max_len sequence per slot;
-        a multiple of the mesh's row shards, each shard able to hold one max_len sequence."""
+        """The pools' blocks: what kv_cache_memory bytes hold, else KV_CACHE_FRACTION of what the
+        devices have free less the slots' rings and states (on a device that reports no memory,
+        as a CPU: one max_len sequence per slot); a multiple of the mesh's row shards, each shard
+        able to hold one max_len sequence."""
         nb, shards = blocks_per_row(self.max_len + self.k, self.block_size), self.row_shards
+        per = block_bytes(self.cfg, self.block_size, self.model.dtype, self.kv_cache_dtype)
         if kv_cache_memory is None:
-            return self.slots * nb
-        per = block_bytes(self.cfg, self.block_size, self.model.dtype)
+            devices = self.model.mesh.devices.flat if self.model.mesh is not None else jax.devices()[:1]
+            free = device_free_bytes(list(devices))
+            if free is None:
+                return self.slots * nb
+            spec = cache_spec(self.cfg, self.slots // shards, self.max_len + self.k, self.model.dtype, self.k,
+                              block_size=self.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype)
+            rows = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in
+                       jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, tuple)))
+            kv_cache_memory = max(int(free * KV_CACHE_FRACTION) - rows, 0) * shards
         n = kv_cache_memory // max(per, 1) // shards * shards
         if n < nb * shards:
             raise EngineConfigError(
@@ -228,7 +289,7 @@ class Engine:
         drafts), the MTP block's state. The caches hold k positions past max_len (a verification
         writes k past the last token it keeps)."""
         return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k, block_size=self.block_size,
-                                num_blocks=self.num_blocks)
+                                num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -236,10 +297,10 @@ class Engine:
         """One engine step (see the module doc); returns whether there was anything to do."""
         with self.lock:
             self._drop_cancelled()
-            while self.waiting and self.free and self._grow(self.waiting[0], self.free[0],
-                                                            len(self.waiting[0].context) + 1):
-                req = self.waiting.popleft()
-                req.slot = self.free.pop(0)
+            while self.waiting and self.free and self._admit(req := self.waiting[0], slot := self._slot_for(req)):
+                self.waiting.popleft()
+                self.free.remove(slot)
+                req.slot = slot
                 if req.admitted is None:
                     req.admitted = time.monotonic()
                 self.running[req.slot] = req
@@ -259,6 +320,54 @@ class Engine:
         if generating:
             self._decode(generating)
         return bool(chosen or generating)
+
+    def _slot_for(self, req: EngineRequest) -> int:
+        """The free slot to admit req to: the lowest, or on a mesh (each device's slots draw on
+        its own blocks) the lowest on the device holding most of req's cached prefix."""
+        if not self.prefix_caching or self.row_shards == 1:
+            return self.free[0]
+        keys = self._keys(req, (len(req.context) - 1) // self.block_size)
+        return max(self.free, key=lambda s: (self.pool.found(s, keys), -s))
+
+    def _admit(self, req: EngineRequest, slot: int) -> bool:
+        """Gives req (at slot) the cached blocks of its context's longest cached prefix and the
+        blocks for the rest of it and its first token, and sets where its prefill starts; False
+        (nothing given) if the pool lacks them."""
+        context, hit = req.context, []
+        if self.prefix_caching:
+            hit = self.pool.lookup(slot, self._keys(req, (len(context) - 1) // self.block_size))
+        req.blocks = list(hit)
+        if not self._grow(req, slot, len(context) + 1):
+            self.pool.give(slot, hit)
+            req.blocks = []
+            return False
+        reuse = len(hit) * self.block_size
+        req.cached, req.start = len(hit), max(reuse - self.recompute, 0)
+        req.prefilled = req.start
+        if self.paged:
+            self.table[slot, :len(req.blocks)] = req.blocks
+            self.shared[slot] = reuse
+            self._table_changed = True
+        if self.prefix_caching:
+            self.counters["prefix_cache_queries"] += len(context)
+            self.counters["prefix_cache_hits"] += reuse
+        return True
+
+    def _keys(self, req: EngineRequest, n: int) -> list[bytes]:
+        """The prefix-cache keys of req's first n blocks (of its tokens so far; kept on it)."""
+        bs = self.block_size
+        for j in range(len(req.keys), n):
+            req.keys.append(chain(req.keys[-1] if req.keys else b"", req.tokens_at(j * bs, (j + 1) * bs)))
+        return req.keys[:n]
+
+    def _cache_full_blocks(self, req: EngineRequest) -> None:
+        """Offers the prefix cache req's blocks that filled up since it last did."""
+        if not self.prefix_caching:
+            return
+        full = min(req.in_cache // self.block_size, len(req.blocks))
+        for j, key in enumerate(self._keys(req, full)[req.cached:], req.cached):
+            self.pool.cache(req.slot, req.blocks[j], key)
+        req.cached = max(req.cached, full)
 
     def _grow(self, req: EngineRequest, slot: int, tokens: int) -> bool:
         """Gives req (at slot) the blocks for its first `tokens` positions; False (nothing given)
@@ -302,6 +411,7 @@ class Engine:
     def _release(self, req: EngineRequest) -> None:
         """Frees req's slot and blocks (req.slot still says which slot it had)."""
         if req.slot is not None and self.running.get(req.slot) is req:
+            self._cache_full_blocks(req)
             del self.running[req.slot]
             if req.blocks:
                 self.pool.give(req.slot, req.blocks)
@@ -310,11 +420,13 @@ class Engine:
             self.free.sort()
 
     def _upload_table(self) -> None:
-        """The block table into the device state, when a request was given blocks."""
+        """The block table and the reuse points into the device state, when a request was given
+        blocks."""
         if self._table_changed:
             self._table_changed = False
-            blocks = self.state.cache["blocks"]  # its sharding kept, so no program compiles again
-            cache = {**self.state.cache, "blocks": jax.device_put(self.table, blocks.sharding)}
+            c = self.state.cache  # the shardings kept, so no program compiles again
+            cache = {**c, "blocks": jax.device_put(self.table, c["blocks"].sharding),
+                     "shared": jax.device_put(self.shared, c["shared"].sharding)}
             self.state = self.state._replace(cache=cache)
 
     def _drop_cancelled(self) -> None:
@@ -338,18 +450,21 @@ class Engine:
         used = {r.slot for r in reqs}
         fillers = [s for s in range(self.slots) if s not in used][: R - len(reqs)]  # held rows (n_valid 0)
         rows = np.array([r.slot for r in reqs] + fillers, np.int32)
-        ids, n_valid, fresh, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+        ids, n_valid, start, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
                                      np.zeros(R, bool))
         for i, (r, n) in enumerate(chosen):
             ids[i, :n] = r.context[r.prefilled: r.prefilled + n]
-            n_valid[i], fresh[i], ends[i] = n, r.prefilled == 0, r.prefilled + n == len(r.context)
+            n_valid[i], ends[i] = n, r.prefilled + n == len(r.context)
+            if r.prefilled == r.start:  # its first chunk
+                start[i] = r.start
         with self.model.on_mesh():
             tokens, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids,
-                                                n_valid, fresh, ends, self._sampling(dict(enumerate(reqs)), R), self.cfg)
+                                                n_valid, start, ends, self._sampling(dict(enumerate(reqs)), R), self.cfg)
         tokens = np.asarray(tokens)
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for i, (r, n) in enumerate(chosen):
             r.prefilled += n
+            self._cache_full_blocks(r)
             if r.prefilled == len(r.context):
                 if r.resume is None:
                     self._emit(r, int(tokens[i]))
@@ -369,6 +484,7 @@ class Engine:
             tokens = np.asarray(tokens)
             for r in generating:
                 self._emit(r, int(tokens[r.slot]))
+                self._cache_full_blocks(r)
             return
         tokens, kept = np.asarray(tokens), np.asarray(kept)
         c = self.counters
@@ -383,6 +499,7 @@ class Engine:
                 self._emit(r, int(t))
                 if r.done:
                     break
+            self._cache_full_blocks(r)
 
     def _run_decode(self, last, active, limit, sample: decode.Sampling) -> tuple:
         """The engine's decode program over all slots, from each slot's last token `last` `[S]`
@@ -478,7 +595,7 @@ class Engine:
             for i, (R, T) in enumerate(itertools.product(rows, chunks), 2):
                 _, self.state = decode.prefill(
                     self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
-                    rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+                    rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
                     np.zeros(R, bool), self._sampling({}, R), self.cfg)
                 jax.block_until_ready(self.state)
                 report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
@@ -493,7 +610,7 @@ class Engine:
             usage = self.pool.used / self.num_blocks if self.paged else held / (self.slots * self.max_len)
             return {"running": len(running), "waiting": len(self.waiting), "slots": self.slots,
                     "slots_used": len(running), "cache_usage": usage, "num_blocks": self.num_blocks,
-                    "blocks_used": self.pool.used, **self.counters}
+                    "blocks_used": self.pool.used, "blocks_cached": self.pool.cached, **self.counters}
 
 
 class StaticEngine(Engine):

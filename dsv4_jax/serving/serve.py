@@ -51,6 +51,7 @@ print one line and exit 1.
 from __future__ import annotations
 
 import asyncio
+from argparse import BooleanOptionalAction
 import contextlib
 import dataclasses
 import json
@@ -69,6 +70,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsv4_jax.model.cache import KV_CACHE_DTYPES
 from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError, byte_size
 from dsv4_jax.runtime.engine import Engine, EngineConfigError, QueueFull, StaticEngine
 from dsv4_jax.runtime.request import RequestError, SamplingParams, check_prompt, input_too_long, prompt_field
@@ -222,6 +224,11 @@ class _EngineCollector:
                                 value=s["blocks_used"])
         yield CounterMetricFamily("dsv4:num_preemptions", "Requests preempted (blocks ran out; they are "
                                   "prefilled again later).", value=s.get("preemptions", 0))
+        if "prefix_cache_queries" in s:
+            yield CounterMetricFamily("dsv4:prefix_cache_queries", "Prefix cache: prompt tokens of admitted "
+                                      "requests looked up.", value=s["prefix_cache_queries"])
+            yield CounterMetricFamily("dsv4:prefix_cache_hits", "Prefix cache: prompt tokens found (their "
+                                      "compressed entries read from cached blocks).", value=s["prefix_cache_hits"])
         yield CounterMetricFamily("dsv4:prompt_tokens", "Prompt tokens prefilled.", value=s.get("prompt_tokens", 0))
         yield CounterMetricFamily("dsv4:generation_tokens", "Tokens generated.", value=s.get("generation_tokens", 0))
         finished = CounterMetricFamily("dsv4:request_success", "Requests the engine finished, by reason "
@@ -761,8 +768,14 @@ def parse_args(argv=None):
                     help="tokens per block of the paged cache pools, a multiple of every compress ratio "
                          "(default: the largest ratio, 128 for DeepSeek-V4)")
     ap.add_argument("--kv-cache-memory", type=byte_size, default=None,
-                    help="bytes for the paged cache pools, e.g. 8GiB (default: max-num-seqs sequences of "
-                         "max-len tokens)")
+                    help="bytes for the paged cache pools, e.g. 8GiB (default: 90%% of the device's free memory "
+                         "less the slots' rings and states; on a CPU, max-num-seqs sequences of max-len tokens)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the compressed entries' storage: auto (the compute dtype) or fp8 (DeepSeek's 584-byte "
+                         "record: e4m3 with a power-of-two scale per 64 values, bf16 RoPE part; default auto)")
+    ap.add_argument("--enable-prefix-caching", action=BooleanOptionalAction, default=True,
+                    help="reuse the cache blocks of prompt prefixes seen before (default: on; "
+                         "--no-enable-prefix-caching turns it off)")
     ap.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more get "
                                                                 "503 (default 1024)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="largest prompt chunk prefilled in one step, "
@@ -862,7 +875,8 @@ def load_service(args, log=None) -> Service:
             model, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
             max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
             speculative_tokens=args.speculative_tokens, block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory)
+            kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype)
     except EngineConfigError as e:
         raise ValueError(f"--{e.param.replace('_', '-')}: {e}") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))

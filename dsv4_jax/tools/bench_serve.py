@@ -1,7 +1,8 @@
 """`dsv4-bench-serve`: a load generator for a running OpenAI-compatible server (ours or any).
 
     dsv4-bench-serve [--base-url URL] [--model NAME] [--endpoint completions|chat]
-                     [--input-len N [--input-len-max M] --output-len N | --prompt-file FILE.jsonl]
+                     [--input-len N [--input-len-max M] [--prefix-len P --num-prefixes K] --output-len N
+                      | --prompt-file FILE.jsonl]
                      [--num-requests N]
                      [--max-concurrency C] [--request-rate inf|R [--burstiness B] | --fixed-interval S]
                      [--warmup N] [--seed S] [--ignore-eos] [--out FILE]
@@ -23,6 +24,10 @@ server must take token-id prompts, as vLLM's and ours do), drawn from the non-sp
 `--tokenizer` (a tokenizer.json, or a directory holding one) or from [0, --vocab-size); for
 /v1/chat/completions, or with --random-text, they are text: --input-len random tokens of
 --tokenizer decoded (about that many tokens again), or --input-len random lowercase words.
+Shared prefixes (as vLLM's prefix-repetition and SGLang's generated-shared-prefix workloads):
+with `--prefix-len P`, `--num-prefixes K` random prompts of P tokens are drawn once, and request i
+is prefix i % K followed by its own random prompt (the --input-len part); the warm-up requests
+cycle through the prefixes too, so `--warmup K` has every prefix cached before the timed run.
 
 Prints ONE JSON object (also written to --out): the settings; completed and failed counts with the
 first errors; for the whole run and for the stable stage, requests, duration, token counts,
@@ -138,9 +143,12 @@ def _load_tokenizer(path: str):
 
 
 def random_prompts(n: int, input_len: int, output_len: int, *, text: bool, tokenizer=None,
-                   vocab_size: int | None = None, seed: int = 0, input_len_max: int | None = None) -> list[RequestSpec]:
+                   vocab_size: int | None = None, seed: int = 0, input_len_max: int | None = None,
+                   prefix_len: int = 0, num_prefixes: int = 1) -> list[RequestSpec]:
     """n random prompts of input_len tokens (with input_len_max, of lengths drawn uniformly from
-    input_len .. input_len_max). Token ids: from the tokenizer's non-special ids, or
+    input_len .. input_len_max), prompt i after prefix i % num_prefixes of `num_prefixes` random
+    prompts of prefix_len tokens (none when prefix_len is 0). Token ids: from the tokenizer's
+    non-special ids, or
     [0, vocab_size). Text with a tokenizer: its tokens that decode to printable text on their
     own, drawn until the text encodes to at least input_len tokens, cut there (the cut text may
     encode one or two tokens apart, where merges cross the cut); without one, input_len random
@@ -158,6 +166,13 @@ def random_prompts(n: int, input_len: int, output_len: int, *, text: bool, token
         pool = np.arange(vocab_size)
     elif not text:
         raise BenchError("random token-id prompts need --tokenizer or --vocab-size (or use --random-text)")
+    if prefix_len:
+        prefixes = [p.prompt for p in random_prompts(num_prefixes, prefix_len, output_len, text=text,
+                                                     tokenizer=tokenizer, vocab_size=vocab_size, seed=seed + 1)]
+        own = random_prompts(n, input_len, output_len, text=text, tokenizer=tokenizer, vocab_size=vocab_size,
+                             seed=seed, input_len_max=input_len_max)
+        join = (lambda a, b: a + " " + b) if text else (lambda a, b: a + b)  # noqa: E731
+        return [RequestSpec(join(prefixes[i % num_prefixes], r.prompt), output_len) for i, r in enumerate(own)]
     specs = []
     lengths = rng.integers(input_len, input_len_max + 1, n) if input_len_max else [input_len] * n
     for input_len in map(int, lengths):
@@ -494,6 +509,7 @@ async def benchmark(args, specs: list[RequestSpec], warmup: list[RequestSpec]) -
                      "seed": args.seed, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
                      "prompt_file": args.prompt_file,
                      "input_len": None if args.prompt_file else args.input_len,
+                     "prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes,
                      "output_len": None if args.prompt_file else args.output_len},
         "completed": len(results) - len(failed), "failed": len(failed),
         "errors": [{"index": r.index, "error": r.error} for r in sorted(failed, key=lambda r: r.end)[:MAX_ERRORS]],
@@ -520,6 +536,10 @@ def parse_args(argv) -> tuple:
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
     ap.add_argument("--input-len-max", type=int, help="random prompts' lengths drawn uniformly from --input-len "
                                                       "to this")
+    ap.add_argument("--prefix-len", type=int, default=0, help="random prompts after a shared prefix of this many "
+                                                               "tokens (default 0: none)")
+    ap.add_argument("--num-prefixes", type=int, default=1, help="shared prefixes, request i after prefix i %% N "
+                                                                "(default 1)")
     ap.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     ap.add_argument("--prompt-file", help="JSONL requests instead of random prompts")
     ap.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) for random prompts")
@@ -540,6 +560,9 @@ def parse_args(argv) -> tuple:
 
     checks = [(args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}"),
               (args.output_len >= 1, f"--output-len must be >= 1, got {args.output_len}"),
+              (args.prefix_len >= 0, f"--prefix-len must be >= 0, got {args.prefix_len}"),
+              (args.num_prefixes >= 1, f"--num-prefixes must be >= 1, got {args.num_prefixes}"),
+              (not (args.prefix_len and args.prompt_file), "--prefix-len and --prompt-file exclude each other"),
               (args.input_len_max is None or args.input_len_max >= args.input_len,
                f"--input-len-max must be >= --input-len, got {args.input_len_max}"),
               (args.num_requests is None or args.num_requests >= 1,
@@ -573,7 +596,8 @@ def parse_args(argv) -> tuple:
         n = args.num_requests or 100
         specs = random_prompts(n + args.warmup, args.input_len, args.output_len,
                                text=args.endpoint == "chat" or args.random_text, tokenizer=tok,
-                               vocab_size=args.vocab_size, seed=args.seed, input_len_max=args.input_len_max)
+                               vocab_size=args.vocab_size, seed=args.seed, input_len_max=args.input_len_max,
+                               prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
     return args, specs[:n], specs[n:]  # the warm-up requests come after: they do not shift the timed ones
 
 

@@ -3,6 +3,7 @@
     dsv4-plan flash --target v5p-8 [--layout dp_attention] [--mesh expert=4] [--batch 4]
               [--max-len 8192] [--prefill-chunk 512] [--weight-dtype native|bfloat16]
               [--expert-exchange auto|all_gather|ragged_all_to_all] [--fp8-activations]
+              [--kv-cache-dtype auto|fp8] [--seq-len N]
     python -m dsv4_jax.tools.plan pro --target h200x8 ...
 
 The model is `flash` or `pro` (dsv4_jax/model/presets.py) or a path to a config.json. The decode step
@@ -28,6 +29,13 @@ The JSON it prints (one object):
                of the FP8 tensor-core kernel, at the peak FP8 rate), tokens_per_s for
                the whole batch, and the same at min_bytes; collective_bytes: what a device sends
                in the program's collectives (`_Module.collective_bytes`)
+  cache        for --kv-cache-dtype (auto: bf16; fp8: DeepSeek's 584-byte records for the compressed
+               entries, as dsv4-serve's flag) and sequences of --seq-len tokens (default --max-len):
+               block_bytes (a block of 128 tokens in every pool of a device), bytes_per_sequence
+               (a sequence's window rings, compressor states and blocks on the devices holding it)
+               and the same in bf16, free_bytes (a device's memory left by its parameter shards and
+               the programs' needs at --batch and --max-len) and sequences_per_device (how many such
+               sequences that holds), sequences (times the pieces the layout splits sequences into)
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
                found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
 The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), fp8_activations, batch and
@@ -54,7 +62,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from dsv4_jax.model import sharding  # noqa: E402
-from dsv4_jax.model.cache import cache_spec  # noqa: E402
+from dsv4_jax.model.cache import (KV_CACHE_DTYPES, block_bytes, blocks_per_row, cache_spec,  # noqa: E402
+                                  default_block_size)
 from dsv4_jax.model.config import EXPERT_EXCHANGES, ConfigError, ModelConfig  # noqa: E402
 from dsv4_jax.model.layer_kinds import COMPRESSED  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
@@ -104,12 +113,14 @@ def abstract_params(cfg: ModelConfig, weight_dtype: str, mesh, layout: sharding.
     return _placed(params, sharding.param_shardings(params, mesh, layout))
 
 
-def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, mesh, layout: sharding.Layout) -> dict:
-    """The bf16 cache (fp32 compressor states) as ShapeDtypeStructs, rows split over `batch`."""
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, mesh, layout: sharding.Layout,
+                   kv_cache_dtype: str = "auto") -> dict:
+    """The bf16 cache (fp32 compressor states; the compressed entries as FP8 records with
+    kv_cache_dtype "fp8") as ShapeDtypeStructs, rows split over `batch`."""
     def walk(spec):
         return {k: jax.ShapeDtypeStruct(*v) if isinstance(v, tuple) else walk(v) for k, v in spec.items()}
 
-    cache = walk(cache_spec(cfg, batch, max_len, jnp.bfloat16))
+    cache = walk(cache_spec(cfg, batch, max_len, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype))
     return _placed(cache, sharding.cache_shardings(cache, mesh, layout))
 
 
@@ -132,6 +143,7 @@ class Setup:
     mesh: jax.sharding.Mesh
     batch: int
     weight_dtype: str
+    kv_cache_dtype: str = "auto"
 
     @property
     def layout(self) -> sharding.Layout:
@@ -146,7 +158,8 @@ class Setup:
 
 
 def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int] | None, batch: int | None,
-          weight_dtype: str, expert_exchange: str = "auto", fp8_activations: bool = False) -> Setup:
+          weight_dtype: str, expert_exchange: str = "auto", fp8_activations: bool = False,
+          kv_cache_dtype: str = "auto") -> Setup:
     """Checks the input and builds the Setup (PlanError names the first problem). batch None:
     one sequence per piece the layout splits sequences into."""
     cfg = model_config(model)
@@ -157,6 +170,8 @@ def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int]
         raise PlanError(str(e)) from None
     if weight_dtype not in WEIGHT_DTYPES:
         raise PlanError(f"unknown --weight-dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PlanError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     axes = {"expert": t.devices} if mesh_axes is None else mesh_axes
     if math.prod(axes.values()) != t.devices:
         raise PlanError(f"mesh {axes} has {math.prod(axes.values())} devices; {target} has {t.devices}")
@@ -176,7 +191,7 @@ def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int]
         expert_exchange_of(cfg, mesh)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    return Setup(target, cfg, mesh, batch, weight_dtype)
+    return Setup(target, cfg, mesh, batch, weight_dtype, kv_cache_dtype)
 
 
 # ---- compiling ---------------------------------------------------------------------------------
@@ -194,7 +209,7 @@ class Compiled:
 def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
     """Compiles `step` for [batch, tokens] ids at max_len (tokens 1: the decode step; the cache
     donated, logits of each row's last token, as generate jits it)."""
-    cache = abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout)
+    cache = abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout, s.kv_cache_dtype)
     rows = NamedSharding(s.mesh, s.layout.spec((sharding.BATCH, None), s.mesh))
     ids = jax.ShapeDtypeStruct((s.batch, tokens), jnp.int32, sharding=rows)
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
@@ -616,13 +631,15 @@ def min_bytes(s: Setup, max_len: int, tokens: int) -> dict:
             weights += local_tokens * cfg.num_hash_layers * cfg.num_experts_per_tok * leaf.dtype.itemsize
         else:
             weights += held
-    Dh, dI, two = cfg.head_dim, cfg.index_head_dim, 2  # bf16 cache
-    per_row = cfg.num_layers * cfg.sliding_window * Dh
+    Dh, dI, two = cfg.head_dim, cfg.index_head_dim, 2  # bf16 rings and keys
+    entry = cache_spec(cfg, 1, 1, jnp.bfloat16, kv_cache_dtype=s.kv_cache_dtype)
+    entry = {k.name: math.prod(entry[k.name]["pool"][0][3:]) * jnp.dtype(entry[k.name]["pool"][1]).itemsize
+             for k in COMPRESSED if k.name in entry}  # bytes of one stored compressed entry
+    per_row = cfg.num_layers * cfg.sliding_window * Dh * two
     for kind in COMPRESSED:  # the entries each layer reads: an indexer's top-k when decoding, and its keys
         n, p = len(cfg.layers_of_ratio(kind.ratio)), max_len // kind.ratio
         read = min(cfg.index_topk, p) if kind.indexer and tokens == 1 else p
-        per_row += n * (read * Dh + (p * dI if kind.indexer else 0))
-    per_row *= two
+        per_row += n * (read * entry.get(kind.name, 0) + (p * dI * two if kind.indexer else 0))
     cache = rows * per_row
     return {"total": weights + experts + cache, "weights": weights, "experts": experts, "cache": cache}
 
@@ -667,7 +684,7 @@ def memory_plan(s: Setup, max_len: int, decode: Compiled, prefill: Compiled) -> 
     """Per-device bytes: the parameter and cache shards, the programs' needs (the larger: they do
     not run at once), and whether it all fits the device's memory."""
     params = device_bytes(s.params)
-    cache = device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout))
+    cache = device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout, s.kv_cache_dtype))
     device = aot.target(s.target).spec.memory_bytes
     needs = [memory_need(c) for c in (decode, prefill)]
     out = {"parameter_bytes": params, "cache_bytes": cache}
@@ -685,6 +702,31 @@ def memory_plan(s: Setup, max_len: int, decode: Compiled, prefill: Compiled) -> 
     return out
 
 
+def sequence_bytes(cfg: ModelConfig, seq_len: int, kv_cache_dtype: str) -> dict:
+    """Bytes of one sequence of seq_len tokens on each device holding it (its rows' rings and
+    compressor states, and its blocks of the pools, which the layouts keep whole on the devices of
+    its rows): {"block_bytes", "bytes_per_sequence"}."""
+    bs = default_block_size(cfg)
+    spec = cache_spec(cfg, 1, seq_len, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
+    per_row = sum(math.prod(shape) * jnp.dtype(dtype).itemsize for path, (shape, dtype) in
+                  jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda x: isinstance(x, tuple))[0]
+                  if path[-1].key != "pool")
+    block = block_bytes(cfg, bs, jnp.bfloat16, kv_cache_dtype)
+    return {"block_bytes": block, "bytes_per_sequence": per_row + blocks_per_row(seq_len, bs) * block}
+
+
+def cache_plan(s: Setup, seq_len: int, per_device: dict) -> dict:
+    """The `cache` section of the plan (module doc)."""
+    mine, bf16 = sequence_bytes(s.cfg, seq_len, s.kv_cache_dtype), sequence_bytes(s.cfg, seq_len, "auto")
+    out = {"kv_cache_dtype": s.kv_cache_dtype, "seq_len": seq_len, **mine,
+           "bf16_bytes_per_sequence": bf16["bytes_per_sequence"]}
+    if per_device["total_bytes"] is None:
+        return dict(out, free_bytes=None, sequences_per_device=None, sequences=None)
+    free = per_device["memory_bytes"] - per_device["total_bytes"] + per_device["cache_bytes"]
+    per = max(free, 0) // mine["bytes_per_sequence"]
+    return dict(out, free_bytes=free, sequences_per_device=per, sequences=per * s.shards(sharding.BATCH))
+
+
 def total_bytes_at(s: Setup, max_len: int, prefill_chunk: int) -> int | None:
     """The bytes a device needs at max_len: its parameter and cache shards and the larger of the
     two programs' needs (None: the compiler refused one as too big)."""
@@ -694,7 +736,8 @@ def total_bytes_at(s: Setup, max_len: int, prefill_chunk: int) -> int | None:
         if c.memory is None:
             return None
         need = max(need, memory_need(c))
-    return device_bytes(s.params) + device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout)) + need
+    return device_bytes(s.params) + device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout,
+                                                                s.kv_cache_dtype)) + need
 
 
 def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None]) -> dict:
@@ -756,14 +799,18 @@ def find_max_context(s: Setup, prefill_chunk: int, known: dict[int, int | None])
 
 def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str, int] | None = None,
          batch: int | None = None, max_len: int = 8192, prefill_chunk: int = 512, weight_dtype: str = "native",
-         search_context: bool = True, expert_exchange: str = "auto", fp8_activations: bool = False) -> dict:
+         search_context: bool = True, expert_exchange: str = "auto", fp8_activations: bool = False,
+         kv_cache_dtype: str = "auto", seq_len: int | None = None) -> dict:
     """The plan's JSON object (see the module doc). batch None: one sequence per piece the layout
     splits sequences into."""
     if max_len < 1 or prefill_chunk < 1:
         raise PlanError(f"--max-len ({max_len}) and --prefill-chunk ({prefill_chunk}) must be positive")
     if prefill_chunk > max_len:
         raise PlanError(f"--prefill-chunk {prefill_chunk} exceeds --max-len {max_len}")
-    s = setup(model, target, layout, mesh_axes, batch, weight_dtype, expert_exchange, fp8_activations)
+    if seq_len is not None and seq_len < 1:
+        raise PlanError(f"--seq-len must be positive, got {seq_len}")
+    s = setup(model, target, layout, mesh_axes, batch, weight_dtype, expert_exchange, fp8_activations,
+              kv_cache_dtype)
     decode = compile_step(s, max_len, 1)
     prefill = compile_step(s, max_len, prefill_chunk)
     rows = s.batch
@@ -779,6 +826,7 @@ def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str
         "decode": _step_figures(s, decode, min_bytes(s, max_len, 1), rows),
         "prefill": _step_figures(s, prefill, min_bytes(s, max_len, prefill_chunk), rows * prefill_chunk),
     }
+    out["cache"] = cache_plan(s, max_len if seq_len is None else seq_len, out["per_device"])
     if search_context:
         pd = out["per_device"]
         search = find_max_context(s, prefill_chunk, {max_len: pd["total_bytes"]})
@@ -814,6 +862,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-activations", action="store_true",
                     help="the FP8 linears with their activations quantized to FP8 (the FP8 tensor-core "
                          "kernel on CUDA; its flops at the device's FP8 peak)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the compressed entries' storage, as dsv4-serve's: "
+                                                             "auto (bf16; default) or fp8 (584-byte records)")
+    ap.add_argument("--seq-len", type=int, help="sequence length the cache section counts (default --max-len)")
     ap.add_argument("--no-max-context", action="store_true", help="skip the max_context search (fewer compiles)")
     return ap
 
@@ -824,7 +875,8 @@ def main(argv=None) -> int:
         mesh_axes = sharding.parse_mesh(args.mesh) if args.mesh else None
         out = plan(args.model, args.target, args.layout, mesh_axes, args.batch, args.max_len, args.prefill_chunk,
                    args.weight_dtype, search_context=not args.no_max_context,
-                   expert_exchange=args.expert_exchange, fp8_activations=args.fp8_activations)
+                   expert_exchange=args.expert_exchange, fp8_activations=args.fp8_activations,
+                   kv_cache_dtype=args.kv_cache_dtype, seq_len=args.seq_len)
     except (PlanError, ValueError) as e:
         print(f"dsv4-plan: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1

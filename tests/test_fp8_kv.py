@@ -1,0 +1,146 @@
+"""The FP8 KV cache (kv_cache_dtype "fp8", dsv4_jax/model/cache.py): the ratio-4 and ratio-128
+pools hold DeepSeek's records (dsv4_jax/model/kv_record.py), 584 bytes an entry at head_dim 512;
+the model's logits equal those of the same model whose records are made by the numpy model of the
+record (tests/test_kv_record.py) within fp32 rounding; the engine serves from them, a request's
+tokens the same in a batch as alone.
+
+fp32 model, fp32 comparisons: the records hold the same values whichever code builds them, so
+the logits agree to fp32 rounding (asserted 1e-6 on logits of about 2); rounding entries to FP8
+moves the logits by far more (asserted > 1e-3), which shows the records are read."""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dsv4_jax  # noqa: E402
+import hf_oracle as H  # noqa: E402
+from dsv4_jax.model import kv_record  # noqa: E402
+from dsv4_jax.model.cache import block_bytes, init_cache  # noqa: E402
+from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
+from dsv4_jax.runtime.engine import Engine, EngineConfigError  # noqa: E402
+from test_kv_record import numpy_decode, numpy_encode  # noqa: E402
+
+CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # head_dim 32, rope 8: records of 24 + 16 + 1 bytes, padded to 48
+
+
+def test_flash_pools_hold_584_byte_records():
+    """Flash's entry geometry (head_dim 512, rope 64): the compressed pools are uint8 records of
+    584 bytes an entry against 1,024 in bf16; the indexer's keys and the rings keep the compute dtype."""
+    cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
+    fp8 = init_cache(cfg, 2, 512, jnp.bfloat16, kv_cache_dtype="fp8")
+    bf16 = init_cache(cfg, 2, 512, jnp.bfloat16)
+    for kind in ("csa", "hca"):
+        pool = fp8[kind]["pool"]
+        assert pool.dtype == jnp.uint8 and pool.shape[:-1] == bf16[kind]["pool"].shape[:-1]
+        entries = np.prod(pool.shape[:-1])
+        assert pool.nbytes // entries == 584 and bf16[kind]["pool"].nbytes // entries == 1024
+        assert fp8[kind]["ring"].dtype == jnp.bfloat16
+    assert fp8["indexer"]["pool"].dtype == jnp.bfloat16
+    keys = fp8["indexer"]["pool"].nbytes
+    assert block_bytes(cfg, 128, jnp.bfloat16, "fp8") * 2 * 4 == sum(fp8[k]["pool"].nbytes for k in ("csa", "hca")) + keys
+    with pytest.raises(ValueError, match=r"kv cache dtype 'fp4' is not one of \['auto', 'fp8'\]"):
+        init_cache(cfg, 1, 128, kv_cache_dtype="fp4")
+
+
+def _numpy_records(monkeypatch):
+    """kv_record's encode, decode and fp8_round replaced by the numpy model (host callbacks)."""
+    def encode(x, rope_dim):
+        d = x.shape[-1]
+        size = kv_record.record_bytes(d, rope_dim)
+        return jax.pure_callback(lambda a: numpy_encode(np.asarray(a, np.float32), rope_dim),
+                                 jax.ShapeDtypeStruct(x.shape[:-1] + (size,), jnp.uint8), x)
+
+    def decode(rec, head_dim, rope_dim, dtype=jnp.bfloat16):
+        return jax.pure_callback(lambda r: numpy_decode(np.asarray(r), head_dim, rope_dim, np.dtype(dtype)),
+                                 jax.ShapeDtypeStruct(rec.shape[:-1] + (head_dim,), dtype), rec)
+
+    def fp8_round(x, rope_dim):
+        return decode(encode(x, rope_dim), x.shape[-1], rope_dim, x.dtype)
+
+    for name, fn in (("encode", encode), ("decode", decode), ("fp8_round", fp8_round)):
+        monkeypatch.setattr(kv_record, name, fn)
+
+
+def _run(params, kv_cache_dtype: str, ids, follow):
+    """A two-row prefill in two chunks (crossing ratio-4 and ratio-128 entries) then decode steps:
+    the logits of every step, concatenated."""
+    run = jax.jit(lambda p, c, x, n: step(p, c, x, CFG, n_valid=n))  # a new function: traced anew
+    cache = init_cache(CFG, 2, 512, jnp.float32, kv_cache_dtype=kv_cache_dtype)
+    seen = []
+    for chunk, n in ((ids[:, :200], [200, 150]), (ids[:, 200:300], [100, 100])):
+        out = run(params, cache, jnp.asarray(chunk), jnp.asarray(n, jnp.int32))
+        seen.append(out.logits.reshape(-1, CFG.vocab_size))
+        cache = out.cache
+    for t in follow:
+        out = run(params, cache, jnp.asarray(t[:, None]), jnp.asarray([1, 1], jnp.int32))
+        seen.append(out.logits.reshape(-1, CFG.vocab_size))
+        cache = out.cache
+    return np.concatenate(seen), cache
+
+
+def test_logits_equal_the_numpy_record_model(monkeypatch):
+    params = dsv4_jax.init_params(CFG, seed=5, std=0.1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CFG.vocab_size, (2, 300)).astype(np.int32)
+    follow = rng.integers(0, CFG.vocab_size, (8, 2)).astype(np.int32)
+    got, cache = _run(params, "fp8", ids, follow)
+    auto, _ = _run(params, "auto", ids, follow)
+    with monkeypatch.context() as m:
+        _numpy_records(m)
+        want, numpy_cache = _run(params, "fp8", ids, follow)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.abs(got - auto).max() > 1e-3
+    for kind in ("csa", "hca"):  # the pools written are the numpy model's records, byte for byte
+        np.testing.assert_array_equal(np.asarray(cache[kind]["pool"]), np.asarray(numpy_cache[kind]["pool"]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv4_jax.DeepseekV4(dsv4_jax.init_params(CFG, seed=2, std=0.1), CFG)
+
+
+def test_engine_serves_from_fp8_records(model):
+    """Four requests at once from FP8 records: each the tokens it gets alone from them; a
+    kv_cache_memory budget counts the records' bytes; a dtype it does not know is refused."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (140, 30, 260, 9)]
+    eng = Engine(model, slots=4, max_len=320, prefill_chunk=64, kv_cache_dtype="fp8")
+    reqs = [eng.submit(p, 10) for p in prompts]
+    eng.run_until_idle()
+    assert eng.state.cache["csa"]["pool"].dtype == jnp.uint8
+    for p, r in zip(prompts, reqs):
+        alone = Engine(model, slots=1, max_len=320, prefill_chunk=64, kv_cache_dtype="fp8")
+        a = alone.submit(p, 10)
+        alone.run_until_idle()
+        assert r.tokens == a.tokens
+    per = block_bytes(CFG, 128, jnp.float32, "fp8")
+    assert per < block_bytes(CFG, 128, jnp.float32)
+    assert Engine(model, slots=2, max_len=256, kv_cache_memory=5 * per, kv_cache_dtype="fp8").num_blocks == 5
+    with pytest.raises(EngineConfigError, match="kv cache dtype 'int8'"):
+        Engine(model, slots=1, max_len=256, kv_cache_dtype="int8")
+
+
+def test_kv_cache_report(capsys):
+    """The report's JSON: both caches' logits over a prefill and decode steps, differing (the
+    records are read) and agreeing on most top-1 tokens; bad arguments exit 1 with one line."""
+    import json
+
+    from dsv4_jax.tools import kv_cache_report
+
+    assert kv_cache_report.main(["--preset", "tiny", "--dtype", "float32", "--prompt-len", "300",
+                                 "--decode-steps", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefill"]["positions"] == 300 and out["decode"]["positions"] == 4
+    for part in ("prefill", "decode"):
+        r = out[part]
+        assert 0 < r["mean_abs_diff"] <= r["max_abs_diff"] < r["max_abs_logit"]
+        assert 0.5 < r["top1_agreement"] <= 1
+    assert kv_cache_report.main(["--preset", "nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--preset must be one of" in err

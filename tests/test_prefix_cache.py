@@ -1,0 +1,188 @@
+"""Prefix caching (dsv4_jax/runtime/blocks.py, engine.py; the shared blocks in dsv4_jax/model/cache.py):
+a row restarted inside a cached prefix, `recompute_span` tokens before the reuse point, gives the
+logits of a run from position 0, and fewer tokens do not; the engine with the cache gives every
+request the tokens it gets without it, with and without speculation; the pool's keys, holds and
+least-recently-used eviction.
+
+fp32 throughout. A restarted row runs its chunks at other offsets than a run from position 0, so
+its logits equal those within fp32 rounding (observed about 2e-6 on logits of about 2; asserted
+1e-5), and greedy tokens are identical."""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dsv4_jax  # noqa: E402
+import hf_oracle as H  # noqa: E402
+from dsv4_jax.model.cache import init_cache, recompute_span  # noqa: E402
+from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
+from dsv4_jax.runtime.blocks import BlockPool, chain  # noqa: E402
+from dsv4_jax.runtime.engine import Engine  # noqa: E402
+
+CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # 7 layers, window 8, ratios 4 and 128: blocks of 128 tokens
+TOL = 1e-5
+_run = jax.jit(step, static_argnums=3)
+
+
+def _logits_after_restart(params, prefix, suffix, follow, start):
+    """Row 1 of a two-row cache restarted at `start` over the blocks row 0 filled with `prefix`
+    (its rings and compressor states hold another prompt's values), fed prefix[start:] + suffix,
+    then `follow` one token a step: its logits at the suffix's positions and at each step."""
+    P = len(prefix)
+    cache = init_cache(CFG, 2, 512, jnp.float32)
+    rng = np.random.default_rng(9)
+    seq = np.stack([np.concatenate([prefix, rng.integers(0, CFG.vocab_size, 40)]),
+                    rng.integers(0, CFG.vocab_size, P + 40)])
+    cache = dict(_run(params, cache, jnp.asarray(seq), CFG).cache)
+    cache["blocks"] = cache["blocks"].at[1, :P // 128].set(cache["blocks"][0, :P // 128])
+    cache["shared"] = jnp.asarray([0, P], jnp.int32)
+    cache["pos"] = cache["pos"].at[1].set(start)
+    chunk = np.concatenate([prefix[start:], suffix])
+    ids = np.zeros((2, len(chunk)), np.int32)
+    ids[1] = chunk
+    out = _run(params, cache, jnp.asarray(ids), CFG, n_valid=jnp.asarray([0, len(chunk)]))
+    seen, cache = [out.logits[1, P - start:]], out.cache
+    for t in follow:
+        out = _run(params, cache, jnp.asarray([[0], [t]]), CFG, n_valid=jnp.asarray([0, 1]))
+        seen.append(out.logits[1])
+        cache = out.cache
+    return np.concatenate(seen)
+
+
+def test_recomputing_the_span_rebuilds_the_state_at_the_reuse_point():
+    """A 256-token cached prefix (two blocks): restarted at 0, at the span before the reuse point
+    or anywhere earlier, the row's logits after it are a run's from position 0; restarted later,
+    the window rings and compressor states at the reuse point are wrong and so are the logits of
+    the positions that read them."""
+    params = dsv4_jax.init_params(CFG, seed=4, std=0.1)
+    rng = np.random.default_rng(0)
+    prefix, suffix, follow = (rng.integers(0, CFG.vocab_size, n) for n in (256, 45, 6))
+    span = recompute_span(CFG)
+    assert span == 6 * 7 + 7  # (layers - 1) x (window - 1) + the last layer's window
+    cache = init_cache(CFG, 1, 512, jnp.float32)
+    out = _run(params, cache, jnp.asarray(np.concatenate([prefix, suffix])[None]), CFG)
+    want, cache = [out.logits[0, 256:]], out.cache
+    for t in follow:
+        out = _run(params, cache, jnp.asarray([[t]]), CFG)
+        want.append(out.logits[0])
+        cache = out.cache
+    want = np.concatenate(want)
+    for start in (0, 4, 128, 256 - span):
+        got = _logits_after_restart(params, prefix, suffix, follow, start)
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL, err_msg=f"restart at {start}")
+    for start in (256 - span // 2, 256 - 8):
+        got = _logits_after_restart(params, prefix, suffix, follow, start)
+        assert np.abs(got - want).max() > 100 * TOL, start
+
+
+def test_block_pool_keys_holds_and_eviction():
+    pool = BlockPool(4, rows=2, caching=True)
+    keys = [chain(b"", [1, 2])]
+    keys.append(chain(keys[0], [3, 4]))
+    assert chain(b"", [1, 2]) == keys[0] and chain(b"", [1, 3]) != keys[0]
+    a = pool.take(0, 3)
+    pool.cache(0, a[0], keys[0])
+    pool.cache(0, a[1], keys[1])
+    pool.cache(0, a[2], keys[1])  # a second block with a cached prefix: not cached
+    assert pool.cached == 2 and pool.lookup(1, keys) == a[:2] and pool.used == 3
+    pool.give(0, a)
+    assert pool.used == 2 and pool.free(0) == 2  # a[2] free again, a[0] and a[1] still held by row 1
+    pool.give(1, a[:2])
+    assert pool.used == 0 and pool.free(0) == 4 and pool.cached == 2
+    assert pool.lookup(0, [chain(b"", [9])] + keys) == []  # a prefix is found from its first block on
+    # two free blocks, then the cached ones evicted: the later block of the sequence first
+    assert sorted(pool.take(0, 2)) == sorted({0, 1, 2, 3} - set(a[:2]))
+    assert pool.take(0, 1) == [a[1]] and pool.lookup(0, keys) == [a[0]] and pool.cached == 1
+    assert pool.take(0, 1) is None
+    off = BlockPool(2, rows=1)
+    b = off.take(0, 1)
+    off.cache(0, b[0], keys[0])
+    assert off.cached == 0 and off.lookup(0, keys) == []
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv4_jax.DeepseekV4(dsv4_jax.init_params(CFG, seed=2, std=0.1), CFG, mtp=dsv4_jax.init_mtp_params(CFG, 3))
+
+
+# Where a request leaves the cached prefix, after its last full block (reuse point 128 or 256):
+# 5 tokens on (inside the window of the reuse point and a ratio-4 block), 14 (past the window,
+# inside a ratio-4 block), 44 (on a ratio-4 boundary inside a ratio-128 block), 0 (at the reuse point).
+SHARED = (133, 270, 300, 256)
+
+
+def _requests(seed: int):
+    """32 requests over 4 shared prefixes, suffixes of 1 to 60 tokens, a few of them sampled."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, CFG.vocab_size, n).tolist() for n in SHARED]
+    reqs = []
+    for i in range(32):
+        p = prefixes[i % 4] + rng.integers(0, CFG.vocab_size, int(rng.integers(1, 61))).tolist()
+        sampling = dict(temperature=0.8, top_k=30, seed=i) if i % 5 == 0 else {}
+        reqs.append((p, 6, sampling))
+    return prefixes, reqs
+
+
+def _serve(model, k: int, caching: bool, prefixes, reqs):
+    """Serves one request per prefix first (their blocks cached as they finish), then the 32 at
+    once; returns (each of the 32's tokens, the engine)."""
+    eng = Engine(model, slots=8, max_len=400, prefill_chunk=64, speculative_tokens=k,
+                 enable_prefix_caching=caching)
+    for p in prefixes:
+        eng.submit(p + [1, 2, 3], 2)
+    eng.run_until_idle()
+    out = [eng.submit(p, n, **s) for p, n, s in reqs]
+    eng.run_until_idle()
+    assert all(r.finish_reason == "length" for r in out)
+    return [r.tokens for r in out], eng
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_cached_prefixes_give_the_tokens_of_no_cache(model, k):
+    """32 concurrent requests over 4 prefixes, each leaving its prefix at another point of the
+    window and the compressed blocks: with the prefix cache each request gets the tokens it gets
+    without it (greedy and sampled; with k drafts a round from the MTP block, whose state the
+    recomputed span rebuilds too), while most of its prompt comes from the cache."""
+    prefixes, reqs = _requests(k)
+    want, off = _serve(model, k, False, prefixes, reqs)
+    got, eng = _serve(model, k, True, prefixes, reqs)
+    assert got == want
+    c = eng.counters
+    assert "prefix_cache_hits" not in off.counters and off.pool.cached == 0
+    hits = sum(min(n, len(p) - 1) // 128 * 128 for p, _, _ in reqs for n in SHARED if p[:n] in prefixes)
+    assert c["prefix_cache_hits"] >= hits > 0
+    assert c["prefix_cache_queries"] == sum(len(p) + 3 for p in prefixes) + sum(len(p) for p, _, _ in reqs)
+    # the recomputed span only: every cached token before it was never run again
+    span = recompute_span(CFG, 1 if k else 0)
+    assert c["prompt_tokens"] <= off.counters["prompt_tokens"] - c["prefix_cache_hits"] + span * (36 - 4) + 36
+    assert eng.pool.used == 0 and eng.pool.cached > 0
+
+
+def test_preempted_request_reuses_its_own_blocks(model):
+    """A request preempted for lack of blocks finds its own full blocks in the cache when it comes
+    back (they stay cached while unheld), so only the span before them runs again; its tokens are
+    those it gets alone."""
+    from dsv4_jax.model.cache import block_bytes
+
+    per = block_bytes(CFG, 128, jnp.float32)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (250, 245)]
+    def serve(caching: bool) -> tuple[list, Engine]:
+        eng = Engine(model, slots=2, max_len=384, prefill_chunk=64, kv_cache_memory=5 * per,
+                     enable_prefix_caching=caching)
+        reqs = [eng.submit(p, 40) for p in prompts]
+        eng.run_until_idle()
+        assert eng.counters["preemptions"] > 0
+        return [r.tokens for r in reqs], eng
+
+    (want, plain), (got, eng) = serve(False), serve(True)
+    assert got == want and eng.counters["prefix_cache_hits"] >= 128
+    assert eng.counters["prompt_tokens"] < plain.counters["prompt_tokens"]
