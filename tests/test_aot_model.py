@@ -63,7 +63,7 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     logits = result.compiled.out_info.logits
     assert logits.shape == (BATCH, 1, cfg.vocab_size) and logits.dtype == jnp.float32
     pools = {k: result.compiled.out_info.cache[k]["pool"] for k in ("csa", "hca")}
-    want = ((584,), jnp.uint8) if kv_cache_dtype == "fp8" else ((cfg.head_dim,), jnp.bfloat16)
+    want = ((584 // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((cfg.head_dim,), jnp.bfloat16)
     assert all((p.shape[-1:], p.dtype) == want for p in pools.values())
 
 

@@ -30,14 +30,15 @@ CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # head_dim 32, rope 8: records of 24
 
 
 def test_flash_pools_hold_584_byte_records():
-    """Flash's entry geometry (head_dim 512, rope 64): the compressed pools are uint8 records of
-    584 bytes an entry against 1,024 in bf16; the indexer's keys and the rings keep the compute dtype."""
+    """Flash's entry geometry (head_dim 512, rope 64): the compressed pools hold records of 584
+    bytes an entry (146 32-bit words) against 1,024 in bf16; the indexer's keys and the rings keep
+    the compute dtype."""
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
     fp8 = init_cache(cfg, 2, 512, jnp.bfloat16, kv_cache_dtype="fp8")
     bf16 = init_cache(cfg, 2, 512, jnp.bfloat16)
     for kind in ("csa", "hca"):
         pool = fp8[kind]["pool"]
-        assert pool.dtype == jnp.uint8 and pool.shape[:-1] == bf16[kind]["pool"].shape[:-1]
+        assert pool.dtype == jnp.uint32 and pool.shape[:-1] == bf16[kind]["pool"].shape[:-1]
         entries = np.prod(pool.shape[:-1])
         assert pool.nbytes // entries == 584 and bf16[kind]["pool"].nbytes // entries == 1024
         assert fp8[kind]["ring"].dtype == jnp.bfloat16
@@ -97,7 +98,12 @@ def test_logits_equal_the_numpy_record_model(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert np.abs(got - auto).max() > 1e-3
     for kind in ("csa", "hca"):  # the pools written are the numpy model's records, byte for byte
-        np.testing.assert_array_equal(np.asarray(cache[kind]["pool"]), np.asarray(numpy_cache[kind]["pool"]))
+        words = np.asarray(cache[kind]["pool"])
+        np.testing.assert_array_equal(words, np.asarray(numpy_cache[kind]["pool"]))
+        # and a pool's words are its records' bytes in order: the newest entry written, decoded by numpy
+        last = words.reshape(-1, words.shape[-1])[np.flatnonzero(words.reshape(-1, words.shape[-1]).any(-1))[-1]]
+        entry = numpy_decode(last.view(np.uint8), CFG.head_dim, CFG.rope_head_dim, np.float32)
+        assert np.isfinite(entry).all() and np.abs(entry).max() > 0
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,7 @@ def test_engine_serves_from_fp8_records(model):
     eng = Engine(model, slots=4, max_len=320, prefill_chunk=64, kv_cache_dtype="fp8")
     reqs = [eng.submit(p, 10) for p in prompts]
     eng.run_until_idle()
-    assert eng.state.cache["csa"]["pool"].dtype == jnp.uint8
+    assert eng.state.cache["csa"]["pool"].dtype == jnp.uint32
     for p, r in zip(prompts, reqs):
         alone = Engine(model, slots=1, max_len=320, prefill_chunk=64, kv_cache_dtype="fp8")
         a = alone.submit(p, 10)

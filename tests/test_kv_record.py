@@ -236,3 +236,14 @@ def test_ties_round_to_even_by_hand():
     got = np.asarray(fp8_round(jnp.asarray(x), 32))
     np.testing.assert_array_equal(got[: len(vals)], np.float32(want))
     np.testing.assert_array_equal(np.asarray(decode(encode(jnp.asarray(x), 32), 128, 32, np.float32)), got)
+
+
+def test_records_as_words_keep_their_bytes():
+    """to_words / from_words: the cache's uint32 words hold a record's bytes in order (little-endian
+    words, as numpy views them on this machine), and come back unchanged."""
+    rec = np.random.default_rng(0).integers(0, 256, (3, 5, 584), dtype=np.uint8)
+    words = np.asarray(kv_record.to_words(jnp.asarray(rec)))
+    assert words.dtype == np.uint32 and words.shape == (3, 5, 146)
+    np.testing.assert_array_equal(words.view(np.uint8), rec)
+    np.testing.assert_array_equal(np.asarray(kv_record.from_words(jnp.asarray(words))), rec)
+

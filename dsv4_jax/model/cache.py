@@ -38,7 +38,8 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
 
 With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry as DeepSeek's FP8
 record (dsv4_jax/model/kv_record.py: e4m3 NoPE values with a power-of-two scale per 64, bf16
-RoPE values; 584 bytes for head_dim 512) in uint8 `[n, NB, E, record bytes]`; the model rounds
+RoPE values; 584 bytes for head_dim 512) in 32-bit words, uint32 `[n, NB, E, record bytes / 4]`
+(kv_record.to_words: the same bytes); the model rounds
 an entry to what its record holds when it computes it and decodes the records it reads. The
 indexer's keys stay in the compute dtype.
 
@@ -133,7 +134,7 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
         spec[kind.name] = {"ring": ((n, batch, R, Dh), dtype)}
         if kind.ratio:
             E, s, w = block_size // kind.ratio, kind.state_rows(lookahead), kind.compressor_width(Dh)
-            entry = ((record_bytes(Dh, cfg.rope_head_dim),), jnp.uint8) if kv_cache_dtype == "fp8" else ((Dh,), dtype)
+            entry = ((record_bytes(Dh, cfg.rope_head_dim) // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((Dh,), dtype)
             spec[kind.name].update(pool=((n, NB, E) + entry[0], entry[1]), state_a=((n, batch, s, w), f32),
                                    state_z=((n, batch, s, w), f32))
         ni = len(indexer_state_layers(cfg)) if kind.indexer else 0

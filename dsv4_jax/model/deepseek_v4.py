@@ -164,21 +164,25 @@ def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
 
 
 def _loaded(rows: jnp.ndarray, cfg: ModelConfig, dtype) -> jnp.ndarray:
-    """Entries read from a pool `[..., Dh]`; FP8 records `[..., R]` (cache.py) decoded to dtype."""
-    if rows.dtype != jnp.uint8:
+    """Entries read from a pool `[..., Dh]`; FP8 records (words `[..., R / 4]`, cache.py) decoded
+    to dtype."""
+    if rows.dtype != jnp.uint32:
         return rows
-    return kv_record.decode(rows, cfg.head_dim, cfg.rope_head_dim, dtype)
+    return kv_record.decode(kv_record.from_words(rows), cfg.head_dim, cfg.rope_head_dim, dtype)
 
 
 def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """A chunk's new entries `[B, n, Dh]` as `pool` will hold them: the values of their FP8
     records when it holds records, so that the chunk reads what later steps read."""
-    return kv_record.fp8_round(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint8 else entries
+    return kv_record.fp8_round(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint32 else entries
 
 
 def _stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Entries `[B, n, Dh]` in the form `pool` stores: FP8 records `[B, n, R]` or themselves."""
-    return kv_record.encode(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint8 else entries
+    """Entries `[B, n, Dh]` in the form `pool` stores: FP8 records (words `[B, n, R / 4]`) or
+    themselves."""
+    if pool.dtype != jnp.uint32:
+        return entries
+    return kv_record.to_words(kv_record.encode(entries, cfg.rope_head_dim))
 
 
 def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg: ModelConfig) -> jnp.ndarray:

@@ -18,6 +18,10 @@ in float32 and in bfloat16 since s is a power of two. (Past 448 * 2^119, about 3
 2^120 and a code rounded up to 256 or more means more than float32 holds: inf.)
 
 `rope_dim` and `head_dim` fix the layout, so they are static under `jax.jit`.
+
+The cache keeps records as 32-bit words (`to_words`, `from_words`: the same bytes): a TPU tiles an
+8-bit array in (32, 128) tiles and its scatter works on (8, 128) ones, so a uint8 pool would be
+copied whole around every write of a step.
 """
 
 from __future__ import annotations
@@ -103,3 +107,14 @@ def fp8_round(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:
     q, exponent = _quantize(x[..., :nope])
     rope = x[..., nope:].astype(jnp.bfloat16)
     return jnp.concatenate([_dequantize(q, exponent, nope).astype(x.dtype), rope.astype(x.dtype)], axis=-1)
+
+
+def to_words(rec: jnp.ndarray) -> jnp.ndarray:
+    """Records uint8 `[..., R]` (R a multiple of 4, as record_bytes gives) -> uint32 `[..., R / 4]`
+    holding the same bytes."""
+    return jax.lax.bitcast_convert_type(rec.reshape(*rec.shape[:-1], rec.shape[-1] // 4, 4), jnp.uint32)
+
+
+def from_words(words: jnp.ndarray) -> jnp.ndarray:
+    """uint32 `[..., W]` as `to_words` gives -> the records uint8 `[..., 4 W]`."""
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
