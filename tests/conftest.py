@@ -1,6 +1,7 @@
 import contextlib
 import gc
 import os
+import random
 import sys
 import threading
 import time
@@ -72,3 +73,20 @@ def serving(service, args):
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def text_splits(text: str):
+    """A text as a stream might deliver it: whole, character by character, in random token-like
+    pieces of 1 to 6 characters, and cut in two at every position."""
+    yield [text]
+    yield list(text)
+    rng = random.Random(len(text))
+    for _ in range(5):
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            pieces.append(text[i: i + n])
+            i += n
+        yield pieces
+    for cut in range(1, len(text)):
+        yield [text[:cut], text[cut:]]

@@ -278,7 +278,7 @@ def test_decode_has_no_cache_sized_copy():
     assert _cache_copies(hlo, cache) == []
     i32 = jnp.int32
     loop = decode.decode_loop.lower(params, decode.DecodeState(cache), jnp.zeros((2,), i32), jnp.zeros((2, 1024), i32),
-                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2), jnp.full((1,), -1, i32),
+                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2, cfg.vocab_size), jnp.full((1,), -1, i32),
                                     cfg).compile().as_text()
     assert _cache_copies(loop, cache) == []
 
@@ -381,7 +381,7 @@ def test_cpu_decode_reads_weights_in_place(monkeypatch):
     copied = _weight_copies(stepped, shapes)  # the stacked layout does copy layers and experts out
     assert any("gather" in c for c in copied) and any("gather" not in c for c in copied)
     loop = decode.decode_loop.lower(split, decode.DecodeState(cache), jnp.zeros((2,), i32), jnp.zeros((2, 1024), i32),
-                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2), jnp.full((1,), -1, i32),
+                                    jnp.zeros((2,), bool), i32(8), decode.Sampling.rows(2, cfg.vocab_size), jnp.full((1,), -1, i32),
                                     cfg).compile().as_text()
     assert _weight_copies(loop, shapes) == []
 
@@ -395,9 +395,9 @@ def test_cache_bytes_follow_kinds():
     assert b["csa"] == 2 * (ring + 1024 * 512 * 2 + 2 * 8 * 1024 * 4 + 1024 * 128 * 2 + 2 * 8 * 256 * 4)
     assert b["total"] == b["window"] + b["csa"] + b["hca"]
     real = init_cache(cfg, 1, 4096, jnp.bfloat16)
-    # minus the position counter and the block table (4096 tokens: 32 blocks of 128)
-    assert real["blocks"].shape == (1, 32)
-    assert b["total"] == sum(x.nbytes for x in jax.tree.leaves(real)) - 4 - 32 * 4
+    # minus the position counter, the reuse point and the block table (4096 tokens: 32 blocks of 128)
+    assert real["blocks"].shape == (1, 32) and real["shared"].shape == (1,)
+    assert b["total"] == sum(x.nbytes for x in jax.tree.leaves(real)) - 4 - 4 - 32 * 4
 
 
 def test_prefill_plan_cuts_each_row_as_alone():

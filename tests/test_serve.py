@@ -6,7 +6,7 @@ Greedy parity: a request's tokens must be those `dsv4_jax.generate` gives for it
 (fp32; engine and generate both cut prompts at 16-token chunks). The API returns text, so the
 check is the text of generate's tokens (decoded at once, special tokens skipped) and their count
 (`usage.completion_tokens`). One server for the module (2 slots, 128 tokens, 16-token chunks:
-warm-up compiles 3 programs)."""
+warm-up compiles 4 programs)."""
 
 import asyncio
 import json
@@ -122,8 +122,8 @@ def live(setup):
     logs = []
     service = serve.load_service(args, log=logs.append)
     # decode, and prefill at 1 / 2 rows x 16 tokens
-    assert any(m.startswith("warm-up compiled 3 programs and ran them") for m in logs), logs
-    assert any(m.startswith("warm-up: 3/3 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
+    assert any(m.startswith("warm-up compiled 4 programs and ran them") for m in logs), logs
+    assert any(m.startswith("warm-up: 4/4 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
     with serving(service, args) as port:
         yield Live(service, port)
     assert not service.engine.alive()  # the lifespan stopped the engine
@@ -251,8 +251,10 @@ BAD = [  # (endpoint, body: a dict or raw text, status, param, message pattern)
     ("completions", {"prompt": [1, 512]}, 400, "prompt", r"token id 512 is outside the vocabulary \[0, 512\)"),
     ("completions", {"prompt": [[1, 2], [1, 512]]}, 400, "prompt[1]", r"^prompt\[1\]: token id 512 is outside"),
     ("completions", {"prompt": "x", "stop_token_ids": [600]}, 400, "stop_token_ids", "outside the vocabulary"),
-    ("completions", {"prompt": "x", "n": 2}, 400, "n", "'n' is not supported"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs", "not supported"),
+    ("completions", {"prompt": "x", "n": 17}, 400, "n", "n must be between 1 and 16"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "needs logprobs: true"),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
     ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p", r"\(0, 1\]"),
     ("completions", {"prompt": "x", "top_k": 513}, 400, "top_k", "vocabulary size 512"),
@@ -536,7 +538,7 @@ def test_default_chat_format():
     fmt = chat.ChatFormat()
     assert fmt.render(msgs).text == f"{B}S<｜User｜>U1<｜Assistant｜></think>A1{E}<｜User｜>U2<｜Assistant｜></think>"
     assert fmt.render(msgs, {"thinking": True}).text.endswith("<｜User｜>U2<｜Assistant｜><think>")
-    with pytest.raises(chat.ChatError, match="tool_calls is not supported"):
+    with pytest.raises(chat.ChatError, match=r"tool_calls\[0\]\.function must be an object"):
         fmt.render([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}])
     assert fmt.render([{"role": "user", "content": "x", "name": "bob", "tool_calls": None}]).text.count("x") == 1
 

@@ -10,10 +10,12 @@ own position (dsv4_jax/model/cache.py). The programs:
 - `decode`: one token into every active row, the next one sampled.
 - `verify`: one draft-then-verify round for every active row (dsv4_jax/runtime/speculative.py);
   1 to k + 1 tokens each.
+- `set_history`: a row's penalty history (its prompt's tokens, the counts of those it drew).
+The three token programs return `Drawn`: the tokens and, when a row asks, their log-probabilities.
 - `decode_loop`, `verify_loop`: `generate`'s whole decode as one program: a `lax.while_loop` over
   the bodies of `decode` and `verify` until every row is done.
 
-Sampling is per row (`Sampling`). A row's draws depend on its seed and on how many tokens it has
+Sampling is per row (`Sampling`: temperature and the cut-offs, the logit controls, logprobs). A row's draws depend on its seed and on how many tokens it has
 drawn, never on the rows beside it, so every driver gives a request the same tokens.
 """
 
@@ -37,54 +39,119 @@ from .request import SamplingParams
 class DecodeState(NamedTuple):
     """The device state of a set of rows: the cache and, with speculation (k drafts a round), the
     MTP block's cache, the main model's hidden streams at each row's last prompt position so far
-    (`carry` `[R, hc, D]`) and the block's rows still to run (`pending`, speculative.Pending)."""
+    (`carry` `[R, hc, D]`) and the block's rows still to run (`pending`, speculative.Pending); for
+    penalties (an engine's state), each row's output token counts (`counts` int32 `[R, V]`, of the
+    tokens fed back so far) and its prompt's tokens (`prompt` bool `[R, V]`, `set_history`)."""
 
     cache: dict
     mtp_cache: dict | None = None
     carry: jnp.ndarray | None = None
     pending: speculative.Pending | None = None
+    counts: jnp.ndarray | None = None
+    prompt: jnp.ndarray | None = None
+
+
+class Drawn(NamedTuple):
+    """Tokens drawn (`[R]`, or `[R, n]` from a verification) and the model's log-probabilities
+    (sampling.logprobs) of each and of the MAX_TOP_LOGPROBS most likely there: zeros when no row
+    asked for them."""
+
+    tokens: jnp.ndarray
+    logprob: jnp.ndarray
+    top_ids: jnp.ndarray
+    top_logprobs: jnp.ndarray
 
 
 class Sampling(NamedTuple):
-    """How each row draws its next token: temperature, top_k and top_p `[R]` (`sampling.sample`),
-    its seed (uint32 `[R]`) and the tokens it has drawn so far (int32 `[R]`, its key's counter)."""
+    """How each row draws its next token: temperature, top_k, top_p and min_p `[R]`
+    (`sampling.sample`), its seed (uint32 `[R]`), the tokens it has drawn so far (int32 `[R]`, its
+    key's counter and min_tokens' count), its adjustments of the logits (`sampling.Controls`) and
+    whether it wants log-probabilities (bool `[R]`)."""
 
     temperature: jnp.ndarray
     top_k: jnp.ndarray
     top_p: jnp.ndarray
+    min_p: jnp.ndarray
     seeds: jnp.ndarray
     drawn: jnp.ndarray
+    controls: sampling.Controls
+    logprobs: jnp.ndarray
 
     @classmethod
-    def rows(cls, n: int, params: Mapping[int, SamplingParams] | None = None,
+    def rows(cls, n: int, vocab_size: int, params: Mapping[int, SamplingParams] | None = None,
              drawn: Mapping[int, int] | None = None) -> "Sampling":
-        """n rows, row i drawing as params[i] (seeded with the low 32 bits of its seed), having
-        drawn drawn[i] tokens; the rows not in params greedy, those not in drawn at 0."""
-        s = cls(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
-                np.zeros(n, np.int32))
+        """n rows of a vocab_size-token model, row i drawing as params[i] (seeded with the low 32
+        bits of its seed), having drawn drawn[i] tokens; the rows not in params greedy, those not
+        in drawn at 0. The grammar masks are every token's (`Controls.mask`: set them after)."""
+        c = sampling.Controls.neutral(n, vocab_size)
+        s = cls(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
+                np.zeros(n, np.uint32), np.zeros(n, np.int32), c, np.zeros(n, bool))
         for i, p in (params or {}).items():
-            s.temperature[i], s.top_k[i], s.top_p[i], s.seeds[i] = p.temperature, p.top_k, p.top_p, p.seed % 2 ** 32
+            s.temperature[i], s.top_k[i], s.top_p[i], s.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            s.seeds[i], s.logprobs[i] = p.seed % 2 ** 32, p.logprobs is not None
+            c.presence[i], c.frequency[i], c.repetition[i] = (p.presence_penalty, p.frequency_penalty,
+                                                              p.repetition_penalty)
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias)
+                c.bias_ids[i, :len(ids)], c.bias_values[i, :len(ids)] = ids, values
+            if p.min_tokens:
+                c.min_tokens[i] = p.min_tokens
+                c.stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
         for i, d in (drawn or {}).items():
             s.drawn[i] = d
         return s
 
     @property
     def params(self) -> tuple:
-        return self.temperature, self.top_k, self.top_p
+        return self.temperature, self.top_k, self.top_p, self.min_p
 
     def keys(self) -> jnp.ndarray:
         return sampling.row_keys(self.seeds, self.drawn)
 
-    def sample(self, logits: jnp.ndarray) -> jnp.ndarray:
-        """Each row's token int32 `[R]` from its logits fp32 `[R, V]`."""
-        return sampling.sample(logits, self.keys(), *self.params)
+    def adjusted(self, logits: jnp.ndarray, state: DecodeState | None = None, offset: int = 0) -> jnp.ndarray:
+        """Each row's logits fp32 `[R, V]` after its controls (sampling.adjusted), the penalties
+        from the state's counts when it has them; offset: tokens drawn since `drawn` (a
+        verification's later positions)."""
+        counts, prompt = (None, None) if state is None else (state.counts, state.prompt)
+        return sampling.adjusted(logits, self.controls, self.drawn + offset, counts, prompt)
+
+    def draw(self, logits: jnp.ndarray, state: DecodeState | None = None) -> Drawn:
+        """Each row's token from its logits fp32 `[R, V]`, with the log-probabilities."""
+        tokens = sampling.sample(self.adjusted(logits, state), self.keys(), *self.params)
+        return Drawn(tokens, *with_logprobs(self.logprobs, logits, tokens))
+
+
+def with_logprobs(wanted: jnp.ndarray, logits: jnp.ndarray, tokens: jnp.ndarray) -> tuple:
+    """sampling.logprobs of tokens `[R, ...]` under the raw logits `[R, ..., V]`, computed only
+    when some row wants them (`wanted` bool `[R]`; zeros otherwise)."""
+    n = sampling.MAX_TOP_LOGPROBS
+    zeros = (jnp.zeros(tokens.shape, jnp.float32), jnp.zeros(tokens.shape + (n,), jnp.int32),
+             jnp.zeros(tokens.shape + (n,), jnp.float32))
+    return jax.lax.cond(jnp.any(wanted), lambda: sampling.logprobs(logits, tokens, n), lambda: zeros)
+
+
+def _count_fed(state: DecodeState, tokens: jnp.ndarray, active: jnp.ndarray) -> DecodeState:
+    """The state with each active row's fed token `tokens` `[R]` counted (no counts: itself)."""
+    if state.counts is None:
+        return state
+    return state._replace(counts=state.counts.at[jnp.arange(tokens.shape[0]), tokens].add(active.astype(jnp.int32)))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def set_history(state: DecodeState, row, prompt, counts) -> DecodeState:
+    """Row `row`'s penalty history: its prompt's tokens (bool `[V]`) and the counts of the tokens
+    it has fed back (int32 `[V]`: zeros for a new request, its tokens but the last after a
+    preemption)."""
+    return state._replace(prompt=state.prompt.at[row].set(prompt), counts=state.counts.at[row].set(counts))
 
 
 def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,
-              block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> DecodeState:
+              block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto",
+              penalties: bool = False) -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
-    `num_blocks` blocks of `block_size` tokens, entries as kv_cache_dtype: cache.init_cache); with k drafts a round, rings k
-    slots wider and the MTP block's state (speculative.py). Committed to the devices, as every
+    `num_blocks` blocks of `block_size` tokens, entries as kv_cache_dtype: cache.init_cache); with
+    k drafts a round, rings k slots wider and the MTP block's state (speculative.py); with
+    penalties, the rows' token counts and prompt tokens. Committed to the devices, as every
     program's output is, so that the first call compiles the program the later ones run."""
     cfg = model.config if cfg is None else cfg
     state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k, block_size=block_size, num_blocks=num_blocks,
@@ -97,7 +164,18 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
                 carry=jnp.zeros(hidden[:1] + hidden[2:], model.dtype),
                 pending=speculative.Pending(jnp.zeros(hidden, model.dtype), jnp.zeros(hidden[:2], jnp.int32),
                                             jnp.zeros((rows,), jnp.int32)))
+    if penalties:
+        with model.on_mesh():
+            state = state._replace(counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                                   prompt=jnp.zeros((rows, cfg.vocab_size), bool))
     return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
+
+
+def _rows(state: DecodeState, at) -> DecodeState:
+    """The penalty history of the rows `at` (a slice or int `[R]`), for `Sampling.draw`."""
+    if state.counts is None:
+        return state
+    return state._replace(counts=state.counts[at], prompt=state.prompt[at])
 
 
 @partial(jax.jit, static_argnums=(9,), donate_argnums=(2,))
@@ -108,15 +186,15 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
     position inside a cached prefix whose blocks the row's table names (cache.py, prefix caching).
     With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row whose prompt
     `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its last prompt
-    position and the token sampled after it. Returns (each row's token sampled after its chunk
-    `[R]`, the state)."""
+    position and the token sampled after it. Returns (each row's token sampled after its chunk,
+    Drawn `[R]`, the state)."""
     whole = rows is None
     at = slice(None) if whole else rows
     restart = None if whole else start >= 0
     sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), restart, start)
     p0 = sub["pos"]
     out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole)
-    tokens = sample.sample(out.logits[:, 0])
+    drawn = sample.draw(out.logits[:, 0], _rows(state, at))
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
     if mtp is not None:
         # The block runs one position behind the model (speculative.prefill_block).
@@ -126,30 +204,34 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
                                                  n_valid, state.carry[at], cfg)
         state = state._replace(mtp_cache=block if whole else put_rows(state.mtp_cache, rows, block),
                                carry=state.carry.at[at].set(carry),
-                               pending=speculative.start(state.pending, at, ends, carry, tokens))
-    return tokens, state
+                               pending=speculative.start(state.pending, at, ends, carry, drawn.tokens))
+    return drawn, state
 
 
 def _decode(params, cache: dict, tokens, active, sample: Sampling, cfg: ModelConfig):
     out = step(params, cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
-    return sample.sample(out.logits[:, 0]), out.cache
+    return sample.draw(out.logits[:, 0]).tokens, out.cache
 
 
 @partial(jax.jit, static_argnums=(5,), donate_argnums=(1,))
 def decode(params, state: DecodeState, tokens, active, sample: Sampling, cfg: ModelConfig):
-    """Each row's last token `tokens` `[R]` into every `active` row (bool `[R]`; the others hold).
-    Returns (the next token of each row `[R]`, the state)."""
-    tokens, cache = _decode(params, state.cache, tokens, active, sample, cfg)
-    return tokens, state._replace(cache=cache)
+    """Each row's last token `tokens` `[R]` into every `active` row (bool `[R]`; the others hold),
+    counted in the penalty history. Returns (the next token of each row, Drawn `[R]`, the state)."""
+    state = _count_fed(state, tokens, active)
+    out = step(params, state.cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
+    return sample.draw(out.logits[:, 0], state), state._replace(cache=out.cache)
 
 
 @partial(jax.jit, static_argnums=(7, 8), donate_argnums=(2,))
 def verify(params, drafter, state: DecodeState, last, active, limit, sample: Sampling, k: int, cfg: ModelConfig):
     """One round of speculation (speculative.verify_round) for every active row, from its last token
-    `last` `[R]`, keeping at most limit[r] of the k drafts that `drafter` gives. Returns (each row's
-    tokens `[R, k + 1]` (the first kept + 1 are real), kept `[R]`, the state)."""
-    state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, limit, sample, k, cfg)
-    return tokens, kept, state
+    `last` `[R]` (counted in the penalty history), keeping at most limit[r] of the k drafts that
+    `drafter` gives. Returns (each row's tokens, Drawn `[R, k + 1]` (the first kept + 1 are real),
+    kept `[R]`, the state)."""
+    state = _count_fed(state, last, active)
+    state, tokens, kept, logits = speculative.verify_round(params, drafter, state, last, active, limit, sample, k,
+                                                           cfg)
+    return Drawn(tokens, *with_logprobs(sample.logprobs, logits, tokens)), kept, state
 
 
 def _stops(tokens: jnp.ndarray, eos: jnp.ndarray) -> jnp.ndarray:
@@ -214,8 +296,8 @@ def verify_loop(params, drafter, state: DecodeState, first, buf, done, max_new, 
         state, last, buf, n_gen, done, counters = s
         active = ~done
         q = state.cache["pos"]
-        state, tokens, kept = speculative.verify_round(params, drafter, state, last, active, limit,
-                                                       sample._replace(drawn=n_gen), k, cfg)
+        state, tokens, kept, _ = speculative.verify_round(params, drafter, state, last, active, limit,
+                                                          sample._replace(drawn=n_gen), k, cfg)
         emit = jnp.where(active, jnp.minimum(kept + 1, max_new - n_gen), 0)  # the real tokens, within the limit
         stop = _stops(tokens, eos) & (i < emit[:, None])
         emit = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, emit)  # through the first stop id

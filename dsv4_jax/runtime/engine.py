@@ -49,6 +49,20 @@ model verifies), the decode step is one verification round: each generating slot
 k + 1 tokens, as many as it keeps (a request may ask for fewer drafts than k); prefill runs the
 block over the prompt too. The counters `spec_decode_num_drafts`, `..._num_draft_tokens`,
 `..._num_accepted_tokens` and `..._num_accepted_tokens_pos_<i>` (`stats()`) say what was kept.
+A request whose draws depend on the tokens before it (penalties) or that has a constraint
+proposes no drafts: its token comes from the verification's first position.
+
+Beyond the sampling itself (dsv4_jax/runtime/sampling.py: logit bias, min_tokens, penalties from
+each slot's token counts kept in the state, min_p), a request may carry:
+- a `constraint` (a grammar, dsv4_jax/serving/grammar.py; any object with `fill(row)`,
+  `accept(token)` and `done`): before each step that draws its token the engine asks it for the
+  allowed tokens (a bitmask row, sampling.Controls.mask), after it hands it the token drawn, and
+  the request stops ("stop") once the constraint is done;
+- logprobs (SamplingParams.logprobs): each token's and the most likely tokens' log-probabilities
+  under the model's raw distribution, in `request.logprobs`, one `TokenLogprobs` per token;
+- `after`, another request with the same prompt (the choices of an `n` > 1 request): with prefix
+  caching it is admitted once that one's prompt is prefilled, so it starts from the cached
+  blocks of the shared prompt rather than prefilling it again.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import typing
 from typing import Callable
 
 import jax
@@ -72,8 +87,8 @@ from . import decode, speculative
 from .blocks import BlockPool, chain
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import run_request
-from .request import (MAX_SPECULATIVE_TOKENS, Request, SamplingParams, check_prompt, check_speculative_tokens,
-                      validate_request)
+from .request import (MAX_SPECULATIVE_TOKENS, Request, RequestError, SamplingParams, check_prompt,
+                      check_speculative_tokens, validate_request)
 
 
 KV_CACHE_FRACTION = 0.9  # of a device's free memory for the cache when kv_cache_memory is not given
@@ -97,6 +112,15 @@ class EngineConfigError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class TokenLogprobs(typing.NamedTuple):
+    """The model's log-probability of a drawn token and its top alternatives (most likely first;
+    as many as the request's SamplingParams.logprobs)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class QueueFull(Exception):
@@ -127,6 +151,21 @@ class EngineRequest:
     start: int = 0  # the position its prefill starts from (inside a cached prefix after a hit)
     resume: list[int] | None = None  # after a preemption: the prompt and the tokens it had drawn but the last
     preempted: int = 0
+    constraint: typing.Any = None  # a grammar's host state (module doc)
+    after: "EngineRequest | None" = None  # admitted once this one's prompt is prefilled (module doc)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+
+    @property
+    def drafts(self) -> int:
+        """Drafts it proposes a round: none when penalized or constrained (module doc)."""
+        s = self.sampling
+        return 0 if s.penalized or self.constraint is not None else s.speculative_tokens
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may be admitted: the request it comes `after` has its prompt prefilled."""
+        a = self.after
+        return a is None or a.done or (a.slot is not None and a.prefilled >= len(a.prompt))
 
     @property
     def context(self) -> list[int]:
@@ -252,27 +291,28 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def submit(self, prompt, max_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, stop_token_ids=None, on_token=None,
-               speculative_tokens: int | None = None) -> EngineRequest:
+    def submit(self, prompt, max_tokens: int, *, on_token=None, speculative_tokens: int | None = None,
+               constraint=None, after: EngineRequest | None = None, **sampling) -> EngineRequest:
         """Queues a request; request.RequestError (a ValueError; TypeError for a wrong type) if it
         cannot be served: request.py's checks (`check_prompt` against this engine's max_len tokens,
-        `SamplingParams.checked`), in the wording `generate` and the server use. QueueFull if the
-        queue is full. stop_token_ids: None, one id or a non-empty list of them; speculative_tokens:
-        drafts a round for this request (default, and at most, the engine's)."""
+        `SamplingParams.checked`, whose keywords `sampling` takes: temperature, top_k, top_p,
+        seed, stop_token_ids, min_p, the penalties, logit_bias, min_tokens, logprobs), in the
+        wording `generate` and the server use. QueueFull if the queue is full. speculative_tokens:
+        drafts a round for this request (default, and at most, the engine's); constraint, after:
+        the module doc."""
         V = self.cfg.vocab_size
         # No lookahead counts against the context: the slots hold k positions past max_len.
         prompt, max_tokens = check_prompt(prompt, max_tokens, V, self.max_len)
-        sampling = SamplingParams.checked(V, temperature, top_k, top_p, seed, stop_token_ids,
-                                          self.k if speculative_tokens is None else speculative_tokens,
-                                          max_speculative_tokens=self.k)
+        sampling = SamplingParams.checked(V, speculative_tokens=self.k if speculative_tokens is None
+                                          else speculative_tokens, max_speculative_tokens=self.k, **sampling)
         with self.lock:
             # Only requests that no free slot will take at the next step wait; the others are
             # admitted then, so they never count against max_queue.
             queued = len(self.waiting) - len(self.free)
             if queued >= self.max_queue:
                 raise QueueFull(f"{queued} requests are waiting for a slot already (the queue holds {self.max_queue})")
-            req = EngineRequest(next(self.ids), prompt, max_tokens, sampling, on_token, arrival=time.monotonic())
+            req = EngineRequest(next(self.ids), prompt, max_tokens, sampling, on_token, arrival=time.monotonic(),
+                                constraint=constraint, after=after if self.prefix_caching else None)
             self.waiting.append(req)
             self.counters["requests"] += 1
             self.wake.notify()
@@ -289,7 +329,7 @@ class Engine:
         drafts), the MTP block's state. The caches hold k positions past max_len (a verification
         writes k past the last token it keeps)."""
         return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k, block_size=self.block_size,
-                                num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
+                                num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype, penalties=True)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -297,13 +337,18 @@ class Engine:
         """One engine step (see the module doc); returns whether there was anything to do."""
         with self.lock:
             self._drop_cancelled()
-            while self.waiting and self.free and self._admit(req := self.waiting[0], slot := self._slot_for(req)):
-                self.waiting.popleft()
+            # First come, first served, passing over the requests that wait for another's prefill.
+            while self.free and (req := next((r for r in self.waiting if r.ready), None)) is not None:
+                if not self._admit(req, slot := self._slot_for(req)):
+                    break
+                self.waiting.remove(req)
                 self.free.remove(slot)
                 req.slot = slot
                 if req.admitted is None:
                     req.admitted = time.monotonic()
                 self.running[req.slot] = req
+                if req.sampling.penalized:
+                    self._set_history(req)
         generating = self._make_room([r for r in self.running.values() if r.prefilled == len(r.context)])
         prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.context)), key=lambda r: r.id)
         self._upload_table()
@@ -352,6 +397,15 @@ class Engine:
             self.counters["prefix_cache_queries"] += len(context)
             self.counters["prefix_cache_hits"] += reuse
         return True
+
+    def _set_history(self, req: EngineRequest) -> None:
+        """req's penalty history into its slot's row (decode.set_history): its prompt's tokens, and
+        the tokens it has fed back (after a preemption, all it drew but the last)."""
+        V = self.cfg.vocab_size
+        prompt = np.zeros(V, bool)
+        prompt[req.prompt] = True
+        counts = np.bincount(np.asarray(req.tokens[:-1], np.int64), minlength=V).astype(np.int32)
+        self.state = decode.set_history(self.state, np.int32(req.slot), prompt, counts)
 
     def _keys(self, req: EngineRequest, n: int) -> list[bytes]:
         """The prefix-cache keys of req's first n blocks (of its tokens so far; kept on it)."""
@@ -436,12 +490,16 @@ class Engine:
         for req in [r for r in self.running.values() if r.cancelled]:
             self._finish(req, "cancelled")
 
-    @staticmethod
-    def _sampling(reqs: dict[int, EngineRequest], rows: int) -> decode.Sampling:
+    def _sampling(self, reqs: dict[int, EngineRequest], rows: int) -> decode.Sampling:
         """How the requests at those rows (of `rows`) draw; the other rows greedy. A request
-        prefilled anew after a preemption draws the token it had drawn last with that token's key."""
-        return decode.Sampling.rows(rows, {i: r.sampling for i, r in reqs.items()},
-                                    {i: len(r.tokens) - (r.resume is not None) for i, r in reqs.items()})
+        prefilled anew after a preemption draws the token it had drawn last with that token's key.
+        A constrained request's row gets the tokens its constraint allows next."""
+        s = decode.Sampling.rows(rows, self.cfg.vocab_size, {i: r.sampling for i, r in reqs.items()},
+                                 {i: len(r.tokens) - (r.resume is not None) for i, r in reqs.items()})
+        for i, r in reqs.items():
+            if r.constraint is not None:
+                r.constraint.fill(s.controls.mask[i])
+        return s
 
     def _prefill(self, chosen: list[tuple[EngineRequest, int]]) -> None:
         R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
@@ -457,17 +515,20 @@ class Engine:
             n_valid[i], ends[i] = n, r.prefilled + n == len(r.context)
             if r.prefilled == r.start:  # its first chunk
                 start[i] = r.start
+        # Only the requests whose first token this chunk draws ask their constraint for a mask.
+        drawing = {i: r for i, (r, n) in enumerate(chosen) if r.prefilled + n == len(r.context) and r.resume is None}
+        sample = self._sampling(drawing, R)
         with self.model.on_mesh():
-            tokens, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids,
-                                                n_valid, start, ends, self._sampling(dict(enumerate(reqs)), R), self.cfg)
-        tokens = np.asarray(tokens)
+            drawn, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids, n_valid, start, ends,
+                                               sample, self.cfg)
+        drawn = self._fetch(drawn, drawing.values())
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for i, (r, n) in enumerate(chosen):
             r.prefilled += n
             self._cache_full_blocks(r)
             if r.prefilled == len(r.context):
                 if r.resume is None:
-                    self._emit(r, int(tokens[i]))
+                    self._emit_drawn(r, drawn, i)
                 else:  # back where it was preempted: its last token is the next one to feed
                     self.next_token[r.slot] = r.tokens[-1]
 
@@ -477,35 +538,42 @@ class Engine:
         active = np.zeros(self.slots, bool)
         active[[r.slot for r in generating]] = True
         limit = np.zeros(self.slots, np.int32)
-        limit[[r.slot for r in generating]] = [r.sampling.speculative_tokens for r in generating]
-        tokens, kept = self._run_decode(self.next_token.copy(), active, limit,
-                                        self._sampling({r.slot: r for r in generating}, self.slots))
+        limit[[r.slot for r in generating]] = [r.drafts for r in generating]
+        drawn, kept = self._run_decode(self.next_token.copy(), active, limit,
+                                       self._sampling({r.slot: r for r in generating}, self.slots))
+        drawn = self._fetch(drawn, generating)
         if kept is None:
-            tokens = np.asarray(tokens)
             for r in generating:
-                self._emit(r, int(tokens[r.slot]))
+                self._emit_drawn(r, drawn, r.slot)
                 self._cache_full_blocks(r)
             return
-        tokens, kept = np.asarray(tokens), np.asarray(kept)
+        kept = np.asarray(kept)
         c = self.counters
         for r in generating:
             j = int(kept[r.slot])
             c[speculative.NUM_DRAFTS] += 1
-            c[speculative.NUM_DRAFT_TOKENS] += r.sampling.speculative_tokens
+            c[speculative.NUM_DRAFT_TOKENS] += r.drafts
             c[speculative.NUM_ACCEPTED_TOKENS] += j
             for i in range(j):
                 c[speculative.accepted_at(i)] += 1
-            for t in tokens[r.slot, : j + 1]:
-                self._emit(r, int(t))
+            for i in range(j + 1):
+                self._emit_drawn(r, drawn, r.slot, i)
                 if r.done:
                     break
             self._cache_full_blocks(r)
 
+    @staticmethod
+    def _fetch(drawn: decode.Drawn, reqs) -> decode.Drawn:
+        """A program's Drawn on the host; its log-probabilities only when one of reqs asked."""
+        if any(r.sampling.logprobs is not None for r in reqs):
+            return decode.Drawn(*(np.asarray(x) for x in drawn))
+        return decode.Drawn(np.asarray(drawn.tokens), None, None, None)
+
     def _run_decode(self, last, active, limit, sample: decode.Sampling) -> tuple:
         """The engine's decode program over all slots, from each slot's last token `last` `[S]`
         (the slots not `active` hold): one token each (decode.decode), or with speculation one
-        verification round keeping at most limit[s] drafts (decode.verify). Returns (tokens `[S]`,
-        None) or (tokens `[S, k + 1]`, kept `[S]`); the state is the program's."""
+        verification round keeping at most limit[s] drafts (decode.verify). Returns (Drawn `[S]`,
+        None) or (Drawn `[S, k + 1]`, kept `[S]`); the state is the program's."""
         with self.model.on_mesh():
             if not self.k:
                 tokens, self.state = decode.decode(self.params, self.state, last, active, sample, self.cfg)
@@ -514,13 +582,27 @@ class Engine:
                                                      last, active, limit, sample, self.k, self.cfg)
             return tokens, kept
 
-    def _emit(self, req: EngineRequest, token: int) -> None:
-        """Hands a generated token to its request and ends the request where it stops."""
+    def _emit_drawn(self, req: EngineRequest, drawn: decode.Drawn, row: int, i: int | None = None) -> None:
+        """`_emit`s the token a program drew for req: row `row` of `drawn` (its i-th with
+        speculation), with its log-probabilities when req asked for them."""
+        at = (row,) if i is None else (row, i)
+        n = req.sampling.logprobs
+        lp = None if n is None else TokenLogprobs(float(drawn.logprob[at]), drawn.top_ids[at][:n].tolist(),
+                                                  drawn.top_logprobs[at][:n].tolist())
+        self._emit(req, int(drawn.tokens[at]), lp)
+
+    def _emit(self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Hands a generated token to its request (with its log-probabilities), advances its
+        constraint, and ends the request where it stops."""
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.constraint is not None:
+            req.constraint.accept(token)
         req.tokens.append(token)
         req.token_times.append(time.monotonic())
         self.next_token[req.slot] = token
         self.counters["generation_tokens"] += 1
-        if token in req.sampling.stop_token_ids:
+        if token in req.sampling.stop_token_ids or (req.constraint is not None and req.constraint.done):
             req.finish_reason = "stop"
         elif len(req.tokens) >= req.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_len:
             req.finish_reason = "length"
@@ -583,7 +665,7 @@ class Engine:
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V = self.slots, self.cfg.vocab_size
-        total = 1 + len(rows) * len(chunks)
+        total = 2 + len(rows) * len(chunks)
         report = progress or (lambda *_: None)
         rng = np.random.default_rng(0)
         for _ in range(decode_runs):
@@ -591,8 +673,11 @@ class Engine:
                              self._sampling({}, S))
         jax.block_until_ready(self.state)
         report(1, total, f"decode step ({S} slots)")
+        self.state = decode.set_history(self.state, np.int32(0), np.zeros(V, bool), np.zeros(V, np.int32))
+        jax.block_until_ready(self.state)
+        report(2, total, "penalty history")
         with self.model.on_mesh():
-            for i, (R, T) in enumerate(itertools.product(rows, chunks), 2):
+            for i, (R, T) in enumerate(itertools.product(rows, chunks), 3):
                 _, self.state = decode.prefill(
                     self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
                     rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
@@ -624,6 +709,15 @@ class StaticEngine(Engine):
 
     def _step_params(self):
         return None  # generate splits the weights itself, per batch, as a server calling it does
+
+    def submit(self, prompt, max_tokens: int, **kwargs) -> EngineRequest:
+        """Engine.submit, less what `generate` does not run: penalties, logprobs, constraints."""
+        neutral = {"logprobs": None, "constraint": None, "presence_penalty": 0, "frequency_penalty": 0,
+                   "repetition_penalty": 1}
+        used = next((name for name, value in neutral.items() if kwargs.get(name, value) != value), None)
+        if used is not None:
+            raise RequestError(f"{used}: not served by the static-batch engine", used)
+        return super().submit(prompt, max_tokens, **kwargs)
 
     def _new_state(self) -> None:
         return None  # generate makes its own per batch

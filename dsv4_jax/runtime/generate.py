@@ -116,7 +116,7 @@ def run_request(model: DeepseekV4, cfg: ModelConfig, req: Request, drafter=None)
         lengths[b], max_new[b] = len(r), req.max_tokens[b]
         buf[b, : len(r)] = r
     params = unstack_layers(model.params)
-    sample = decode.Sampling.rows(Bb, dict(enumerate(req.sampling)))
+    sample = decode.Sampling.rows(Bb, cfg.vocab_size, dict(enumerate(req.sampling)))
     done, eos = np.arange(Bb) >= B, _stop_ids(req.sampling, Bb)
     k = req.speculative_tokens
     mtp = model.mtp.params if k else None
@@ -124,8 +124,8 @@ def run_request(model: DeepseekV4, cfg: ModelConfig, req: Request, drafter=None)
     with model.on_mesh():
         first = jnp.zeros((Bb,), jnp.int32)  # each row's first token, from the chunk its prompt ends in
         for ids, n, ends in prefill_chunks(buf, lengths, PREFILL_CHUNK):
-            tokens, state = decode.prefill(params, mtp, state, None, ids, n, None, ends, sample, cfg)
-            first = jnp.where(ends, tokens, first)
+            drawn, state = decode.prefill(params, mtp, state, None, ids, n, None, ends, sample, cfg)
+            first = jnp.where(ends, drawn.tokens, first)
         counters = None
         if k:
             drafter = (speculative.BlockDrafts(mtp) if drafter is None else drafter).for_rows(Bb)

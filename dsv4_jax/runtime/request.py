@@ -26,6 +26,7 @@ import numpy as np
 
 from dsv4_jax.model.config import ModelConfig
 from .buckets import length_bucket
+from .sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
 MAX_SPECULATIVE_TOKENS = 8
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # tokens are sampled in float32
@@ -82,10 +83,13 @@ def check_speculative_tokens(k, most: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request draws its tokens and when it stops (`checked`): greedy at temperature 0,
-    else a draw restricted to the top_k most likely tokens (0: all) and to top_p of the
-    probability (dsv4_jax/runtime/sampling.py), from the random stream of `seed` (its low 32 bits);
-    it stops at any of `stop_token_ids`; with speculation it proposes `speculative_tokens` drafts
-    a round."""
+    else a draw restricted to the top_k most likely tokens (0: all), to top_p of the probability
+    and to tokens of at least min_p x the top probability (dsv4_jax/runtime/sampling.py), from the
+    random stream of `seed` (its low 32 bits), after its logit_bias ((token, bias) pairs), its
+    presence, frequency and repetition penalties, and its stop ids held back until it has
+    min_tokens; it stops at any of `stop_token_ids`; with speculation it proposes
+    `speculative_tokens` drafts a round. logprobs: None, or the model's log-probability of each
+    token and of its `logprobs` most likely ones (0 to MAX_TOP_LOGPROBS) come back with it."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -93,14 +97,33 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     speculative_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its draws depend on the tokens before them (penalties): such a request does
+        not speculate (a round's later positions would not see the tokens kept before them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @classmethod
     def checked(cls, vocab_size: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token_ids=None,
                 speculative_tokens=0, *, max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS,
-                stop_field: str = "stop_token_ids") -> "SamplingParams":
+                stop_field: str = "stop_token_ids", min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                repetition_penalty=1.0, logit_bias=None, min_tokens=0, logprobs=None) -> "SamplingParams":
         """The settings checked for a model of `vocab_size` tokens. Numbers may be Python or numpy
         scalars or 0-d arrays. stop_token_ids: None, one token id or a non-empty list / tuple of
-        them (named `stop_field` in errors); speculative_tokens: 0 to max_speculative_tokens."""
+        them (named `stop_field` in errors); speculative_tokens: 0 to max_speculative_tokens;
+        min_p in [0, 1]; presence and frequency penalties in [-2, 2] (OpenAI's range);
+        repetition_penalty > 0 (1: off); logit_bias: None or a mapping token id (an int or its
+        decimal string, as JSON keys are) -> bias in [-100, 100], at most MAX_LOGIT_BIAS entries;
+        min_tokens >= 0 (with at most MAX_STOP_IDS stop ids); logprobs: None or 0 to
+        MAX_TOP_LOGPROBS."""
         t = _real(temperature, "temperature")
         if not (math.isfinite(t) and 0 <= t <= FLOAT32_MAX):
             raise RequestError(f"temperature must be a finite number >= 0 (0: greedy) that float32 holds, got {t!r}",
@@ -127,7 +150,54 @@ class SamplingParams:
             if bad is not None:
                 raise _outside_vocabulary(stop_field, bad, vocab_size)
         k = check_speculative_tokens(speculative_tokens, max_speculative_tokens)
-        return cls(t, top_k, p, seed, stops, k)
+        min_p = _real(min_p, "min_p")
+        if not 0 <= min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {min_p!r}", "min_p")
+        penalties = []
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            v = _real(value, name)
+            if not -2 <= v <= 2:
+                raise RequestError(f"{name} must be between -2 and 2, got {v!r}", name)
+            penalties.append(v)
+        rep = _real(repetition_penalty, "repetition_penalty")
+        if not (math.isfinite(rep) and rep > 0):
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1: off), got {rep!r}",
+                               "repetition_penalty")
+        bias = _logit_bias(logit_bias, vocab_size)
+        min_tokens = _integer(min_tokens, "min_tokens")
+        if min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+        if min_tokens and len(stops) > MAX_STOP_IDS:
+            raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} stop token ids, got {len(stops)}",
+                               stop_field)
+        if logprobs is not None:
+            logprobs = _integer(logprobs, "logprobs")
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}", "logprobs")
+        return cls(t, top_k, p, seed, stops, k, min_p, *penalties, rep, bias, min_tokens, logprobs)
+
+
+def _logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A logit_bias mapping as sorted (token id, bias) pairs (SamplingParams.checked)."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise TypeError(f"logit_bias must be a mapping of token ids to biases, got {logit_bias!r}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}", "logit_bias")
+    pairs = {}
+    for key, value in logit_bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if not _is_integer(key):
+            raise RequestError(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if not 0 <= int(key) < vocab_size:
+            raise _outside_vocabulary("logit_bias", int(key), vocab_size)
+        v = _real(value, f"logit_bias[{key}]")
+        if not -100 <= v <= 100:
+            raise RequestError(f"logit_bias[{key}] must be between -100 and 100, got {v!r}", "logit_bias")
+        pairs[int(key)] = v
+    return tuple(sorted(pairs.items()))
 
 
 def prompt_field(index: int, count: int, name: str = "prompt") -> str:

@@ -181,9 +181,11 @@ def verify_round(params: dict, drafter, state, last: jnp.ndarray, active: jnp.nd
     """One round for every active row (bool `[B]`; the others hold): k drafts from `drafter` (a
     draft source: `BlockDrafts`, or a test's), [last token `last` `[B]` + drafts] through the main
     model, then `accept` (at most limit[b] drafts kept; None: k). state: a decode.DecodeState;
-    sample: its decode.Sampling, `drawn` the tokens each row has. Returns (the state, each row at
-    its position after its kept tokens; the row's new tokens int32 `[B, k + 1]` (the first kept + 1
-    are real: the kept drafts, then the main model's token); kept `[B]`)."""
+    sample: its decode.Sampling, `drawn` the tokens each row has; the main model's distributions
+    are those of its logits after each row's controls (sample.adjusted, position i counting i more
+    tokens drawn). Returns (the state, each row at its position after its kept tokens; the row's
+    new tokens int32 `[B, k + 1]` (the first kept + 1 are real: the kept drafts, then the main
+    model's token); kept `[B]`; the main model's raw logits `[B, k + 1, V]`)."""
     B = last.shape[0]
     V = cfg.vocab_size
     keys = sample.keys()
@@ -191,12 +193,13 @@ def verify_round(params: dict, drafter, state, last: jnp.ndarray, active: jnp.nd
     q0 = state.cache["pos"]
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
     out = step(params, state.cache, ids, cfg, False, n_valid=active * (k + 1), return_hidden=True)
-    t, top_k, top_p = (jnp.repeat(jnp.broadcast_to(jnp.asarray(a), (B,)), k + 1) for a in sample.params)
-    target = sampling.distribution(out.logits.reshape(B * (k + 1), V), t, top_k, top_p).reshape(B, k + 1, V)
+    logits = jnp.stack([sample.adjusted(out.logits[:, i], state, i) for i in range(k + 1)], axis=1)
+    per_position = (jnp.repeat(jnp.broadcast_to(jnp.asarray(a), (B,)), k + 1) for a in sample.params)
+    target = sampling.distribution(logits.reshape(B * (k + 1), V), *per_position).reshape(B, k + 1, V)
     kept, nxt = accept(target, dists, drafts, keys, limit)
     i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.where(i < kept[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     cache = {**out.cache, "pos": jnp.where(active, q0 + kept + 1, q0)}
     pending = jax.tree.map(lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old),
                            Pending(out.hidden, tokens, kept + 1), state.pending)  # the rows that hold keep theirs
-    return state._replace(cache=cache, pending=pending), tokens, kept
+    return state._replace(cache=cache, pending=pending), tokens, kept, out.logits

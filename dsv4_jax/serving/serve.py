@@ -20,17 +20,26 @@ Streaming (`"stream": true`) sends server-sent events, one chunk per generated t
 Request fields honoured: `model` (optional; another name than --served-model-name is a 404),
 `prompt` / `messages`, `max_tokens` (completions default 16; chat: `max_completion_tokens`, else
 `max_tokens`, else the rest of the context), `temperature` (default 1.0; 0 = greedy), `top_p`,
-`top_k` (0 or -1 = off), `seed` (default: a random one; prompt i of a list draws with seed + i),
+`top_k` (0 or -1 = off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+`logit_bias`, `min_tokens` (dsv4_jax/runtime/sampling.py: applied on the device, per row), `seed`
+(default: a random one; choice i of a request draws with seed + i), `n` (choices per prompt, up to
+MAX_N; with prefix caching the later choices start from the first one's cached prompt blocks),
 `stop` (a string or a list: matched on the output text, which is cut before the first match),
 `stop_token_ids`, `ignore_eos` (else the checkpoint's eos ids, from generation_config.json or
 config.json, stop a request), `speculative_tokens` (with --speculative-tokens K: drafts a round for
-this request, 0 .. K; default K), `stream`, `stream_options.include_usage`, and for chat
-`chat_template_kwargs`. Accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
-`prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`.
-Accepted only at the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400
-naming the field: `n`, `best_of`, `echo`, `suffix`, `logprobs`, `top_logprobs`,
-`frequency_penalty`, `presence_penalty`, `logit_bias`, `response_format`, `tools`, `tool_choice`,
-`functions`, `function_call`, `modalities`, `audio`, `prediction`, `reasoning_effort`,
+this request, 0 .. K; default K), `logprobs` (completions: N alternatives; chat: true, with
+`top_logprobs` N): the model's own log-probabilities (log-softmax of its logits, before penalties,
+bias, temperature and cut-offs, as vLLM's default), `structured_outputs` (vLLM's: `json`, `regex`,
+`choice` or `grammar`), `stream`, `stream_options.include_usage`, and for chat
+`chat_template_kwargs`, `tools` and `tool_choice` (DeepSeek's DSML tool calls, parsed into
+`tool_calls`; "required" and a named function are enforced by a grammar), `reasoning_effort` and
+thinking mode (the reasoning comes back as `reasoning_content`), `response_format` (json_object,
+json_schema). A constrained reply (dsv4_jax/serving/grammar.py, llguidance) gets its allowed tokens
+from a matcher on the host before each step and applies them in the sampling program.
+Accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+`safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. Accepted only at
+the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400 naming the field:
+`best_of`, `echo`, `suffix`, `functions`, `function_call`, `modalities`, `audio`, `prediction`,
 `web_search_options`, `verbosity`. Any other field is a 400 ("Unrecognized request argument").
 
 Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with the HTTP status as
@@ -75,7 +84,10 @@ from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError, byte_size
 from dsv4_jax.runtime.engine import Engine, EngineConfigError, QueueFull, StaticEngine
 from dsv4_jax.runtime.request import RequestError, SamplingParams, check_prompt, input_too_long, prompt_field
 from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS
-from .chat import ChatError, ChatFormat, load_chat_format
+from .chat import THINK, ChatError, ChatFormat, load_chat_format
+from .grammar import Constraint, GrammarError, TokenVocabulary, grammar_for, grammar_for_tools
+from .reasoning import ReasoningParser
+from .tool_calls import ToolCallParser, ToolSpec, check_tools, collect
 from .http import APIError, Gate, error_response, protocol
 from .tokenization import ServerTokenizer, TextOutput, surrogate_message
 
@@ -84,12 +96,10 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 POLL_S = 0.5  # how often a waiting request checks its client and the engine thread
 LATENCY_BUCKETS = tuple(0.001 * 2 ** k for k in range(22))  # 1 ms .. 35 min, doubling
 NEUTRAL = {  # OpenAI fields we do not implement, accepted (besides null) only at these values
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "verbosity": (),
 }
+MAX_N = 16  # choices a request may ask for
 MAX_REQUEST_BYTES = 16 << 20  # --max-request-bytes default: a 1M-token prompt as text or as ids fits
 READ_TIMEOUT_S = 30.0  # --timeout-read default
 GRACEFUL_SHUTDOWN_S = 30.0  # --timeout-graceful-shutdown default
@@ -131,15 +141,19 @@ class _Common(BaseModel):
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    n: Any = None
-    logprobs: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: Any = None  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...} (serving/grammar.py)
 
 
 class CompletionRequest(_Common):
     prompt: Any  # text, texts, token ids or lists of them (checked in `_completion_prompts`)
+    logprobs: int | None = None  # top alternatives per token, 0 .. MAX_TOP_LOGPROBS
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -149,9 +163,10 @@ class ChatRequest(_Common):
     messages: Any  # checked by chat.normalize_messages
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     response_format: Any = None
-    tools: Any = None
+    tools: Any = None  # checked by tool_calls.check_tools
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
@@ -159,7 +174,7 @@ class ChatRequest(_Common):
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: Any = None
 
@@ -287,6 +302,7 @@ class Service:
     eos_ids: tuple[int, ...]
     metrics: Metrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    vocabulary: TokenVocabulary | None = None  # for constrained replies (grammar.py); None without eos ids
 
     @property
     def vocab_size(self) -> int:
@@ -301,10 +317,12 @@ def _bad_request(e: RequestError) -> APIError:
 
 @dataclasses.dataclass
 class Sampling:
-    """A request's sampling, checked, and its stop strings (matched here, on the output text)."""
+    """A request's sampling, checked, its stop strings (matched here, on the output text) and the
+    choices it asks for per prompt (`n`)."""
 
     params: SamplingParams
     stops: list[str]
+    n: int = 1
 
 
 def _sampling(body: _Common, service: Service) -> Sampling:
@@ -315,16 +333,34 @@ def _sampling(body: _Common, service: Service) -> Sampling:
     if not body.ignore_eos:
         ids += tuple(i for i in service.eos_ids if i not in ids)
     k = service.engine.k
+    logprobs = _logprobs(body)
     # No stop ids go as None: the runtime refuses an empty list, as a list that lost its ids.
     try:
         params = SamplingParams.checked(
             service.vocab_size, 1.0 if body.temperature is None else body.temperature,
             0 if body.top_k in (None, -1) else body.top_k, 1.0 if body.top_p is None else body.top_p,
             random.getrandbits(32) if body.seed is None else body.seed, ids or None,
-            k if body.speculative_tokens is None else body.speculative_tokens, max_speculative_tokens=k)
+            k if body.speculative_tokens is None else body.speculative_tokens, max_speculative_tokens=k,
+            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias, min_tokens=body.min_tokens or 0, logprobs=logprobs)
     except RequestError as e:
         raise _bad_request(e) from None
-    return Sampling(params, _stops(body.stop))
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", "n")
+    return Sampling(params, _stops(body.stop), n)
+
+
+def _logprobs(body: _Common) -> int | None:
+    """The top alternatives a request wants with each token's log-probability, None for none:
+    completions' `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N` (default 0)."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _stops(stop) -> list[str]:
@@ -374,23 +410,82 @@ async def _completion_prompts(prompt, service: Service) -> list[list[int]]:
     return await asyncio.to_thread(service.tokenizer.encode, prompt)
 
 
-class Generation:
-    """One API request's prompts running in the engine, as events (choice, text delta, finish
-    reason or None), one per generated token; the last one of each choice has its finish reason.
+@dataclasses.dataclass
+class ChatSetup:
+    """What a chat request adds to its choices' outputs: whether the prompt opened the reasoning
+    (thinking mode: the reply's text up to `</think>` is reasoning_content) and its tools (the
+    reply's content read for tool calls)."""
 
-    The engine thread's callback puts (choice, token, engine finish reason) on an asyncio queue
-    with `call_soon_threadsafe`; the handler's task turns tokens into text (`TextOutput`)."""
+    thinking: bool = False
+    tools: ToolSpec | None = None
+
+
+class ChoiceOutput:
+    """One choice's generated tokens as what the API sends: its text (TextOutput: incremental
+    detokenization, stop strings), for a chat request split into reasoning and content
+    (ReasoningParser) and the content read for tool calls (ToolCallParser), and its tokens'
+    log-probabilities."""
+
+    def __init__(self, service: Service, stops: list[str], chat: ChatSetup | None, call_ids: str):
+        self.tokenizer = service.tokenizer
+        self.text = TextOutput(service.tokenizer, stops)
+        self.chat = chat
+        self.reasoning = ReasoningParser(chat.thinking) if chat is not None else None
+        self.tools = ToolCallParser(chat.tools, call_ids) if chat is not None else None
+        self.called = False  # a tool call was sent
+        self.tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.text.stopped
+
+    def add(self, token: int | None, final: bool) -> dict:
+        """The delta a generated token (None: a stop token, no text) makes: {"text"} for a
+        completion; for a chat reply whichever of "reasoning_content", "content" (a str) and
+        "tool_calls" (parser events) it has."""
+        self.tokens += 1
+        text = self.text.add(token, final or self.text.stopped)
+        if self.chat is None:
+            return {"text": text}
+        reasoning, content = self.reasoning.feed(text)
+        if final or self.text.stopped:
+            more = self.reasoning.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        events = self.tools.feed(content) + (self.tools.finish() if final or self.text.stopped else [])
+        calls = [e for e in events if isinstance(e, dict)]
+        self.called |= bool(calls)
+        delta = {"reasoning_content": reasoning, "content": "".join(e for e in events if isinstance(e, str)),
+                 "tool_calls": calls}
+        return {k: v for k, v in delta.items() if v}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+class Generation:
+    """One API request's choices running in the engine, as events (choice, delta, the token's
+    log-probabilities or None, finish reason or None), one per generated token; the last one of
+    each choice has its finish reason.
+
+    A request of P prompts and n choices runs P x n engine requests, choice p * n + j drawing with
+    seed + p * n + j; with prefix caching the choices after a prompt's first are admitted once its
+    prompt is prefilled and start from its cached blocks (Engine's `after`). The engine thread's
+    callback puts (choice, token, log-probabilities, engine finish reason) on an asyncio queue with
+    `call_soon_threadsafe`; the handler's task turns tokens into text (`ChoiceOutput`)."""
 
     def __init__(self, service: Service, http: Request, prompts: list[list[int]], max_tokens: list[int],
-                 sampling: Sampling, param: str):
-        """param: the request's field the prompts come from ("prompt" or "messages"), for errors."""
+                 sampling: Sampling, param: str, chat: ChatSetup | None = None, grammar: str | None = None):
+        """param: the request's field the prompts come from ("prompt" or "messages"), for errors;
+        chat: a chat request's setup; grammar: what each choice's text must follow
+        (dsv4_jax/serving/grammar.py)."""
         self.service, self.http = service, http
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = sum(map(len, prompts))
-        self.outputs = [TextOutput(service.tokenizer, sampling.stops) for _ in prompts]
-        self.completion_tokens = [0] * len(prompts)
-        self.finish: list[str | None] = [None] * len(prompts)
+        n = sampling.n
+        rid = uuid.uuid4().hex
+        self.outputs = [ChoiceOutput(service, sampling.stops, chat, f"{rid}/{i}") for i in range(len(prompts) * n)]
+        self.finish: list[str | None] = [None] * len(self.outputs)
         engine = service.engine
         try:
             for i, (p, m) in enumerate(zip(prompts, max_tokens)):  # every prompt, before any runs
@@ -400,12 +495,13 @@ class Generation:
         s = sampling.params
         self.requests = []
         try:
-            for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            for i in range(len(self.outputs)):
+                p, m = prompts[i // n], max_tokens[i // n]
                 self.requests.append(engine.submit(
-                    p, m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed + i,
-                    stop_token_ids=s.stop_token_ids or None,  # (): None, see _sampling
-                    speculative_tokens=s.speculative_tokens,
-                    on_token=lambda req, token, i=i: self._on_token(i, req, token)))
+                    p, m, seed=s.seed + i, on_token=lambda req, token, i=i: self._on_token(i, req, token),
+                    after=self.requests[i - i % n] if i % n else None,
+                    constraint=None if grammar is None else Constraint(service.vocabulary, grammar),
+                    **_engine_sampling(s)))
         except QueueFull as e:
             self.cancel()
             raise APIError(503, f"The server is overloaded: {e}; retry later") from None
@@ -418,12 +514,14 @@ class Generation:
         if token is None:
             self.service.metrics.observe(req, time.monotonic())
             return
+        lp = req.logprobs[-1] if req.sampling.logprobs is not None else None
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, token, req.finish_reason))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, token, lp, req.finish_reason))
 
     async def events(self):
-        """Yields (choice, text delta, finish reason or None) until every choice has finished.
-        Raises ClientGone when the client leaves, APIError(500) when the engine thread stops."""
+        """Yields (choice, delta, log-probabilities or None, finish reason or None) until every
+        choice has finished. Raises ClientGone when the client leaves, APIError(500) when the
+        engine thread stops."""
         getter, checked = None, self.loop.time()
         try:
             while None in self.finish:
@@ -437,17 +535,20 @@ class Generation:
                         raise APIError(500, "the engine stopped; see the server's log")
                 if not done:
                     continue
-                (i, token, reason), getter = getter.result(), None
+                (i, token, lp, reason), getter = getter.result(), None
                 if self.finish[i] is not None:  # tokens after a stop string, until the cancel lands
                     continue
-                self.completion_tokens[i] += 1
                 out = self.outputs[i]
-                delta = out.add(None if reason == "stop" else token, reason is not None)
+                # A stop id has no text; a request ended by its grammar ends on a token of its text.
+                stop_id = reason == "stop" and token in self.requests[i].sampling.stop_token_ids
+                delta = out.add(None if stop_id else token, reason is not None)
                 if out.stopped:
                     self.service.engine.cancel(self.requests[i])
                     reason = "stop"
+                if reason == "stop" and out.called:
+                    reason = "tool_calls"
                 self.finish[i] = reason
-                yield i, delta, reason
+                yield i, delta, None if lp is None else (token, lp), reason
         finally:
             if getter is not None:
                 getter.cancel()
@@ -460,8 +561,17 @@ class Generation:
                 self.service.engine.cancel(r)
 
     def usage(self) -> dict:
-        n = sum(self.completion_tokens)
+        n = sum(out.tokens for out in self.outputs)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+def _engine_sampling(s: SamplingParams) -> dict:
+    """A checked SamplingParams as Engine.submit's keywords (less the seed, set per choice)."""
+    return dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                stop_token_ids=s.stop_token_ids or None,  # (): None, see _sampling
+                speculative_tokens=s.speculative_tokens, presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens, logprobs=s.logprobs)
 
 
 def _check_model(body: _Common, service: Service) -> None:
@@ -483,29 +593,69 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _chat_logprobs(out: ChoiceOutput, token: int, lp) -> dict:
+    """A token's entry of a chat choice's `logprobs.content` (OpenAI's shape)."""
+    def entry(t: int, logprob: float) -> dict:
+        text = out.token_text(t)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    return {**entry(token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
+
+
+class _CompletionLogprobs:
+    """A completion choice's `logprobs` (OpenAI's legacy shape: tokens, token_logprobs,
+    top_logprobs as {token: logprob}, text_offset), built token by token."""
+
+    def __init__(self):
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        self.offset = 0
+
+    def add(self, out: ChoiceOutput, token: int, lp) -> dict:
+        """Adds a token; returns the part for this token alone (a stream's chunk)."""
+        text = out.token_text(token)
+        part = {"tokens": [text], "token_logprobs": [lp.logprob], "text_offset": [self.offset],
+                "top_logprobs": [{out.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}]}
+        self.offset += len(text)
+        for key, value in part.items():
+            getattr(self, key).extend(value)
+        return part
+
+    def whole(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
 async def _respond(gen: Generation, body: _Common, kind: str, model: str) -> Response:
     """The response to a completion (kind "text_completion") or chat ("chat.completion") request:
     a stream of server-sent events, or one JSON object once every choice has finished."""
     chat = kind == "chat.completion"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind + (".chunk" if chat and body.stream else ""), "created": int(time.time()), "model": model}
+    legacy = [_CompletionLogprobs() for _ in gen.outputs]
+
+    def logprobs(i, token_lp):
+        if token_lp is None:
+            return None
+        out = gen.outputs[i]
+        return {"content": [_chat_logprobs(out, *token_lp)]} if chat else legacy[i].add(out, *token_lp)
 
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         started = [False] * len(gen.outputs)
 
-        def choice(i, delta, reason):
+        def choice(i, delta, token_lp, reason):
             if not chat:
-                return {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
-            d = {"content": delta}
+                return {"index": i, "text": delta["text"], "logprobs": logprobs(i, token_lp), "finish_reason": reason}
+            d = {"content": "", **delta} if "reasoning_content" not in delta and "tool_calls" not in delta else delta
             if not started[i]:  # the role goes with the first token (a chunk with choices times TTFT)
                 d, started[i] = {"role": "assistant", **d}, True
-            return {"index": i, "delta": d, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "delta": d, "logprobs": logprobs(i, token_lp), "finish_reason": reason}
 
         async def stream():
             try:
-                async for i, delta, reason in gen.events():
-                    yield _sse({**head, "choices": [choice(i, delta, reason)], **({"usage": None} if usage else {})})
+                async for i, delta, token_lp, reason in gen.events():
+                    yield _sse({**head, "choices": [choice(i, delta, token_lp, reason)],
+                                **({"usage": None} if usage else {})})
             except ClientGone:
                 return
             except APIError as e:
@@ -517,18 +667,33 @@ async def _respond(gen: Generation, body: _Common, kind: str, model: str) -> Res
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    texts = [""] * len(gen.outputs)
+    texts, reasoning = [""] * len(gen.outputs), [""] * len(gen.outputs)
+    calls = [[] for _ in gen.outputs]
+    entries = [[] for _ in gen.outputs]
     try:
-        async for i, delta, _ in gen.events():
-            texts[i] += delta
+        async for i, delta, token_lp, _ in gen.events():
+            texts[i] += delta.get("text", "") + delta.get("content", "")
+            reasoning[i] += delta.get("reasoning_content", "")
+            calls[i] += delta.get("tool_calls", [])
+            if token_lp is not None:
+                entries[i].append(logprobs(i, token_lp))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
+    wanted = gen.requests[0].sampling.logprobs is not None
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": gen.finish[i]} for i, t in enumerate(texts)]
+        choices = []
+        for i, t in enumerate(texts):
+            _, tool_calls = collect(calls[i])
+            message = {"role": "assistant", "content": t if t or not tool_calls else None}
+            if gen.outputs[i].chat.thinking:
+                message["reasoning_content"] = reasoning[i]
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            lp = {"content": [e["content"][0] for e in entries[i]]} if wanted else None
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": gen.finish[i]})
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": gen.finish[i]}
-                   for i, t in enumerate(texts)]
+        choices = [{"index": i, "text": t, "logprobs": legacy[i].whole() if wanted else None,
+                    "finish_reason": gen.finish[i]} for i, t in enumerate(texts)]
     return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
 
 
@@ -570,13 +735,15 @@ class CompletionResponse(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
-    logprobs: None
+    logprobs: dict | None
     finish_reason: str
 
 
@@ -716,36 +883,70 @@ def create_app(service: Service, *, api_key: str | None = None, max_request_byte
               responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
     async def completions(body: CompletionRequest, http: Request):
         sampling = _checked_sampling(body, service)
+        grammar = _grammar(body, None, service)
         prompts = await _completion_prompts(body.prompt, service)
         m = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-        gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt")
+        gen = Generation(service, http, prompts, [m] * len(prompts), sampling, "prompt", grammar=grammar)
         return await _respond(gen, body, "text_completion", service.model_name)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_responses(400, 401, 404, 408, 413, 500, 503, stream=True))
     async def chat_completions(body: ChatRequest, http: Request):
         sampling = _checked_sampling(body, service)
-        prompt = await _chat_prompt(body, service)
+        try:
+            tools = check_tools(body.tools, body.tool_choice)
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt, setup = await _chat_prompt(body, tools, service)
+        grammar = _grammar(body, tools, service)
+        if grammar is not None and setup.thinking:
+            raise APIError(400, "a constrained reply (response_format, structured_outputs, or tool_choice required / "
+                                "a named function) starts at the reply's first token, which leaves no room for "
+                                "thinking: send it with thinking off", "response_format")
         m = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if m is None:
             m = max(service.engine.max_len - len(prompt), 1)
-        gen = Generation(service, http, [prompt], [m], sampling, "messages")
+        gen = Generation(service, http, [prompt], [m], sampling, "messages", chat=setup, grammar=grammar)
         return await _respond(gen, body, "chat.completion", service.model_name)
 
     return app
 
 
-async def _chat_prompt(body: ChatRequest, service: Service) -> list[int]:
-    """The request's messages rendered (dsv4_jax/serving/chat.py) and encoded, both in a worker thread;
-    the special-token strings of the request's own text become plain text."""
+async def _chat_prompt(body: ChatRequest, tools: ToolSpec, service: Service) -> tuple[list[int], ChatSetup]:
+    """The request's messages rendered (dsv4_jax/serving/chat.py, with its tools and reasoning
+    effort) and encoded, both in a worker thread; the special-token strings of the request's own
+    text become plain text. Also the reply's setup: thinking mode when the prompt ends by opening
+    the reasoning."""
     tokenizer = service.tokenizer
     try:
         prompt = await asyncio.to_thread(service.chat.render, body.messages, body.chat_template_kwargs,
-                                         tokenizer.specials)
+                                         tokenizer.specials, tools, body.reasoning_effort)
     except ChatError as e:
         raise APIError(400, str(e), e.param) from None
     _check_length(prompt.text, service, "messages")
-    return await asyncio.to_thread(tokenizer.encode_chat, prompt.text, prompt.literals)
+    ids = await asyncio.to_thread(tokenizer.encode_chat, prompt.text, prompt.literals)
+    return ids, ChatSetup(prompt.text.rstrip().endswith(THINK), tools)
+
+
+def _grammar(body: _Common, tools: ToolSpec | None, service: Service) -> str | None:
+    """The grammar a request's replies must follow (dsv4_jax/serving/grammar.py), None for none:
+    a chat request's tool_choice required / a named function (a call of its tools), else its
+    response_format, or either endpoint's structured_outputs; 400 naming the field when the
+    library refuses it."""
+    forced = None if tools is None else tools.forced_names()
+    asked = [name for name, value in (("tool_choice", forced), ("response_format", getattr(body, "response_format", None)),
+                                      ("structured_outputs", body.structured_outputs))
+             if value is not None and value != {"type": "text"}]
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[0]} and {asked[1]} both constrain the reply: send one", asked[1])
+    try:
+        grammar = (grammar_for_tools(tools.tools, forced) if forced is not None
+                   else grammar_for(getattr(body, "response_format", None), body.structured_outputs))
+    except GrammarError as e:
+        raise APIError(400, str(e), e.param) from None
+    if grammar is not None and service.vocabulary is None:
+        raise APIError(400, "constrained replies need the checkpoint's eos token id (none is known)", asked[0])
+    return grammar
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -887,7 +1088,8 @@ def load_service(args, log=None) -> Service:
             "holds for this tokenizer); --max-request-bytes limits them")
     if not args.no_warmup:
         warmup(engine, log)
-    return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine))
+    vocabulary = TokenVocabulary(tokenizer.tokenizer, cfg.vocab_size, eos) if eos else None
+    return Service(engine, tokenizer, chat, name, tuple(eos), Metrics(engine), vocabulary=vocabulary)
 
 
 def warmup(engine: Engine, log) -> None:

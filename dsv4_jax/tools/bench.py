@@ -163,9 +163,10 @@ def _prefill_all(model: DeepseekV4, params, ids: np.ndarray, max_len: int):
     cfg, params = model.config, unstack_layers(params)
     B = ids.shape[0]
     state = decode.new_state(model, B, max_len)
+    greedy = decode.Sampling.rows(B, cfg.vocab_size)
     for chunk, n, _ in prefill_chunks(ids, np.full(B, ids.shape[1], np.int32)):
-        first, state = decode.prefill(params, None, state, None, chunk, n, None, None, decode.Sampling.rows(B), cfg)
-    return first, state
+        first, state = decode.prefill(params, None, state, None, chunk, n, None, None, greedy, cfg)
+    return first.tokens, state
 
 
 def _compile_seconds(jitted, *args) -> float:
@@ -190,7 +191,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
     one, model = np.ones(1, np.int32), DeepseekV4(params, cfg)
     out["compile_s"]["prefill"] = {
         str(c): _compile_seconds(decode.prefill, split, None, decode.new_state(model, 1, max_len), None,
-                                 jnp.zeros((1, c), i32), one, None, None, decode.Sampling.rows(1), cfg)
+                                 jnp.zeros((1, c), i32), one, None, None, decode.Sampling.rows(1, cfg.vocab_size), cfg)
         for c in sorted(set(chunks))}
     run = lambda _: jax.block_until_ready(_prefill_all(model, params, ids, max_len))
     run(None)  # warm-up (first execution)
@@ -207,7 +208,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         buf = np.zeros((b, max_len), np.int32)
         buf[:, :P] = prompt
         rows = (np.zeros((b,), bool),)  # no padding rows
-        extra = (decode.Sampling.rows(b), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
+        extra = (decode.Sampling.rows(b, cfg.vocab_size), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup():
             return jax.block_until_ready(_prefill_all(model, split, prompt, max_len))
@@ -238,7 +239,7 @@ def bench_ours(params, cfg: ModelConfig, sizes: dict) -> dict:
         max_len = C + 128
         buf = np.zeros((1, max_len), np.int32)
         rows = (np.zeros((1,), bool),)  # no padding rows
-        extra = (decode.Sampling.rows(1), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
+        extra = (decode.Sampling.rows(1, cfg.vocab_size), np.full((1,), -1, np.int32), cfg)  # greedy, no eos
 
         def setup(C=C, max_len=max_len):
             state = decode.new_state(model, 1, max_len)
