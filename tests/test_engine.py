@@ -29,7 +29,7 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
-    assert eng.warmup() == 2 + 3 * 2  # decode, penalty history, prefill for rows 1 / 2 / 4 x chunks 16 / 32
+    assert eng.warmup() == 3 + 3 * 2  # decode (whole, in halves), penalty history, prefill rows 1 / 2 / 4 x 16 / 32
     return eng
 
 
@@ -71,7 +71,7 @@ def test_warmup_runs_every_program_and_changes_no_state(model):
     """warm-up runs each program on random ids in rows that hold: afterwards the state is a new
     engine's, leaf for leaf, and a request compiles nothing."""
     eng = Engine(model, slots=2, max_len=64, prefill_chunk=16)
-    assert eng.warmup(decode_runs=2) == 2 + 2 * 1  # decode, penalty history, prefill for rows 1 / 2 x chunk 16
+    assert eng.warmup(decode_runs=2) == 3 + 2 * 1  # decode (whole, in halves), penalty history, prefill rows 1 / 2 x 16
     fresh = jax.tree.leaves(eng._new_state())
     after = jax.tree.leaves(eng.state)
     assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))

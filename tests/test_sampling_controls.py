@@ -185,3 +185,47 @@ def test_engine_controls_equal_a_numpy_rollout(model):
             assert ref[lp.top_ids[0]] == ref.max()
         if p.min_tokens:
             assert not set(r.tokens[:p.min_tokens]) & set(p.stop_token_ids)
+
+
+class _Cycle:
+    """A constraint allowing one token a step, from `tokens` in turn, done after all of them."""
+
+    def __init__(self, tokens):
+        self.tokens, self.i = tokens, 0
+
+    @property
+    def done(self):
+        return self.i == len(self.tokens)
+
+    def fill(self, row):
+        row[:] = 0
+        t = self.tokens[min(self.i, len(self.tokens) - 1)]
+        row[t // 32] = np.array(1 << (t % 32), np.uint32).view(np.int32)
+
+    def accept(self, token):
+        assert token == self.tokens[self.i]
+        self.i += 1
+
+
+def test_engine_constraints_mask_every_draw(model):
+    """Constrained requests (their masks filled while the model's half of the step runs) beside
+    free ones, sampled at temperature 1: each draws exactly what its constraint allows and stops
+    when it is done; the free ones are their own alone; nothing compiles after warm-up."""
+    Vm = model.config.vocab_size
+    rng = np.random.default_rng(4)
+    eng = Engine(model, slots=4, max_len=192, prefill_chunk=32)
+    eng.warmup(decode_runs=1)
+    wanted = [rng.integers(0, Vm, n).tolist() for n in (5, 9)]
+    prompts = [rng.integers(0, Vm, n).tolist() for n in (7, 50, 20, 3)]
+    with CompileCounter() as compiles:
+        constrained = [eng.submit(p, 30, temperature=1.0, seed=i, constraint=_Cycle(w))
+                       for i, (p, w) in enumerate(zip(prompts, wanted))]
+        free = [eng.submit(p, 6, temperature=1.0, seed=7) for p in prompts[2:]]
+        eng.run_until_idle()
+    assert compiles.compiled == 0, compiles.programs
+    for r, w in zip(constrained, wanted):
+        assert r.tokens == w and r.finish_reason == "stop"
+    for r, p in zip(free, prompts[2:]):
+        alone = eng.submit(p, 6, temperature=1.0, seed=7)
+        eng.run_until_idle()
+        assert r.tokens == alone.tokens

@@ -6,7 +6,7 @@ Greedy parity: a request's tokens must be those `dsv4_jax.generate` gives for it
 (fp32; engine and generate both cut prompts at 16-token chunks). The API returns text, so the
 check is the text of generate's tokens (decoded at once, special tokens skipped) and their count
 (`usage.completion_tokens`). One server for the module (2 slots, 128 tokens, 16-token chunks:
-warm-up compiles 4 programs)."""
+warm-up compiles 5 programs)."""
 
 import asyncio
 import json
@@ -122,8 +122,8 @@ def live(setup):
     logs = []
     service = serve.load_service(args, log=logs.append)
     # decode, and prefill at 1 / 2 rows x 16 tokens
-    assert any(m.startswith("warm-up compiled 4 programs and ran them") for m in logs), logs
-    assert any(m.startswith("warm-up: 4/4 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
+    assert any(m.startswith("warm-up compiled 5 programs and ran them") for m in logs), logs
+    assert any(m.startswith("warm-up: 5/5 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
     with serving(service, args) as port:
         yield Live(service, port)
     assert not service.engine.alive()  # the lifespan stopped the engine

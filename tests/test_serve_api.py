@@ -182,17 +182,20 @@ def test_bad_requests_are_400_naming_the_field(live, body, param):
 
 
 def test_logprobs_are_the_models_and_n_choices_repeat_with_a_seed(live):
-    """Completions with token ids: each token's logprob and the top 5 equal the log-softmax of
-    the full forward's fp32 logits within 1e-5 (chat's logprobs too); n = 4 with a seed gives 4
-    answers, the same 4 twice, counted in the usage."""
+    """Completions with token ids, greedy: each token's logprob and the top 5 equal the
+    log-softmax of the full forward's fp32 logits within 1e-5 (chat's logprobs too); n = 4 with a
+    seed gives 4 answers, the same 4 twice, counted in the usage."""
     service, client, ckpt = live
     model = dsv4_jax.load(str(ckpt), dtype=jnp.float32)
     prompt = [int(x) for x in np.random.default_rng(0).integers(5, 500, 37)]
-    r = client.completions.create(model="tiny-ckpt", prompt=prompt, max_tokens=12, temperature=0.7, seed=9,
-                                  logprobs=5)
+    r = client.completions.create(model="tiny-ckpt", prompt=prompt, max_tokens=12, temperature=0, logprobs=5,
+                                  extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
-    assert len(lp.token_logprobs) == r.usage.completion_tokens
-    seq = prompt + [_token_id(service, t) for t in lp.tokens]
+    # the greedy tokens: generate's (the engine's equal them, tests/test_engine.py); their text the reply's
+    tokens = dsv4_jax.generate(model, [prompt], 12).rows()[0]
+    assert len(lp.token_logprobs) == r.usage.completion_tokens == len(tokens)
+    assert lp.tokens == [service.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    seq = prompt + tokens
     logits = np.asarray(forward(model.params, jnp.asarray([seq]), model.config))[0, len(prompt) - 1:-1]
     ref = logits.astype(np.float64)
     ref = ref - ref.max(-1, keepdims=True)
@@ -210,25 +213,13 @@ def test_logprobs_are_the_models_and_n_choices_repeat_with_a_seed(live):
 
     def four():
         out = client.chat.completions.create(model="tiny-ckpt", messages=USER, max_tokens=10, n=4, seed=7,
-                                             temperature=1.0)
+                                             temperature=1.0, extra_body={"ignore_eos": True})
         return out, [ch.message.content for ch in sorted(out.choices, key=lambda ch: ch.index)]
 
     first, a = four()
     _, b = four()
     assert a == b and len(set(a)) > 1 and sorted(ch.index for ch in first.choices) == [0, 1, 2, 3]
-    assert first.usage.completion_tokens == 40 or all(ch.finish_reason in ("stop", "length") for ch in first.choices)
-
-
-def _token_id(service, text: str) -> int:
-    """The id whose text (special tokens kept) is `text` (the tiny vocabulary: a lookup)."""
-    table = getattr(service, "_texts", None)
-    if table is None:
-        tok = service.tokenizer
-        table = {}
-        for i in range(tok.tokenizer.get_vocab_size()):
-            table.setdefault(tok.decode([i], skip_special_tokens=False), i)
-        service._texts = table
-    return table[text]
+    assert first.usage.completion_tokens == 40 and all(ch.finish_reason == "length" for ch in first.choices)
 
 
 def test_sampling_controls_through_the_server(live):

@@ -189,8 +189,9 @@ def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg
     """A chunk's new entries `[B, n, d]` (row b's i-th is entry p0[b] // ratio + i), those before
     the row's shared position taken from its shared blocks in pool `[NB, E, d]` instead: a row
     restarted inside a cached prefix computes them from don't-cares (cache.py), and its later
-    positions must read the entries the prefix really has. Decode never starts inside one."""
-    if entries.shape[1] == 0 or ch.rope.shape[3] == 1:
+    positions must read the entries the prefix really has; in a prefill chunk, or one token a
+    step (the engine's deterministic mode feeds prompts through decode)."""
+    if entries.shape[1] == 0:
         return entries
     ids = ch.p0[:, None] // ratio + jnp.arange(entries.shape[1], dtype=jnp.int32)
     held = jnp.clip(ids, 0, ch.blocks.shape[1] * pool.shape[1] - 1)

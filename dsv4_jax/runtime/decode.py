@@ -7,7 +7,9 @@ own position (dsv4_jax/model/cache.py). The programs:
 - `prefill`: a chunk of prompt tokens into some rows (every row when `rows` is None; the rows
   starting a prompt are reset first). Returns each row's token sampled after its chunk: the
   first token of a row whose prompt ends in it.
-- `decode`: one token into every active row, the next one sampled.
+- `decode`: one token into every active row, the next one sampled; or in two programs,
+  `decode_logits` then `draw`, so that the host can prepare the sampling (a grammar's mask)
+  while the model runs.
 - `verify`: one draft-then-verify round for every active row (dsv4_jax/runtime/speculative.py);
   1 to k + 1 tokens each.
 - `set_history`: a row's penalty history (its prompt's tokens, the counts of those it drew).
@@ -15,8 +17,9 @@ The three token programs return `Drawn`: the tokens and, when a row asks, their 
 - `decode_loop`, `verify_loop`: `generate`'s whole decode as one program: a `lax.while_loop` over
   the bodies of `decode` and `verify` until every row is done.
 
-Sampling is per row (`Sampling`: temperature and the cut-offs, the logit controls, logprobs). A row's draws depend on its seed and on how many tokens it has
-drawn, never on the rows beside it, so every driver gives a request the same tokens.
+Sampling is per row (`Sampling`: temperature and the cut-offs, the logit controls, logprobs). A
+row's draws depend on its seed and on how many tokens it has drawn, never on the rows beside it,
+so every driver gives a request the same tokens.
 """
 
 from __future__ import annotations
@@ -213,13 +216,37 @@ def _decode(params, cache: dict, tokens, active, sample: Sampling, cfg: ModelCon
     return sample.draw(out.logits[:, 0]).tokens, out.cache
 
 
-@partial(jax.jit, static_argnums=(5,), donate_argnums=(1,))
-def decode(params, state: DecodeState, tokens, active, sample: Sampling, cfg: ModelConfig):
-    """Each row's last token `tokens` `[R]` into every `active` row (bool `[R]`; the others hold),
-    counted in the penalty history. Returns (the next token of each row, Drawn `[R]`, the state)."""
-    state = _count_fed(state, tokens, active)
+def _forward(params, state: DecodeState, tokens, active, cfg: ModelConfig, start, prompt):
+    cache = state.cache if start is None else reset_rows(state.cache, start >= 0, start)
+    state = _count_fed(state._replace(cache=cache), tokens, active if prompt is None else active & ~prompt)
     out = step(params, state.cache, tokens[:, None], cfg, True, n_valid=active.astype(jnp.int32))
-    return sample.draw(out.logits[:, 0], state), state._replace(cache=out.cache)
+    return out.logits[:, 0], state._replace(cache=out.cache)
+
+
+@partial(jax.jit, static_argnums=(5,), donate_argnums=(1,))
+def decode(params, state: DecodeState, tokens, active, sample: Sampling, cfg: ModelConfig, start=None, prompt=None):
+    """Each row's last token `tokens` `[R]` into every `active` row (bool `[R]`; the others hold),
+    counted in the penalty history. A prompt fed one token a step (the engine's deterministic
+    mode) also gives `start` (int32 `[R]`: a row starting its prompt restarts there first; -1:
+    goes on) and `prompt` (bool `[R]`: the rows fed a prompt token, not counted). Returns (the
+    next token of each row, Drawn `[R]`, the state)."""
+    logits, state = _forward(params, state, tokens, active, cfg, start, prompt)
+    return sample.draw(logits, state), state
+
+
+@partial(jax.jit, static_argnums=(4,), donate_argnums=(1,))
+def decode_logits(params, state: DecodeState, tokens, active, cfg: ModelConfig, start=None, prompt=None):
+    """`decode`'s first half, for rows whose sampling needs the host meanwhile (a grammar's
+    mask, filled while this runs): (each row's logits fp32 `[R, V]`, the state); `draw` then
+    samples."""
+    return _forward(params, state, tokens, active, cfg, start, prompt)
+
+
+@jax.jit
+def draw(logits, counts, prompt, sample: Sampling) -> Drawn:
+    """`decode`'s second half: each row's token from `decode_logits`' logits, with the state's
+    penalty history (`counts`, `prompt`; None: none), Drawn `[R]`."""
+    return sample.draw(logits, DecodeState({}, counts=counts, prompt=prompt))
 
 
 @partial(jax.jit, static_argnums=(7, 8), donate_argnums=(2,))

@@ -63,6 +63,13 @@ each slot's token counts kept in the state, min_p), a request may carry:
 - `after`, another request with the same prompt (the choices of an `n` > 1 request): with prefix
   caching it is admitted once that one's prompt is prefilled, so it starts from the cached
   blocks of the shared prompt rather than prefilling it again.
+
+Deterministic mode (`deterministic`): a request's tokens do not depend on what else runs or on
+how its prompt is cut. Every step is the one decode program over all slots, a fixed shape, and a
+prompt goes in one token a step through it (its row restarts at its first token; no prefill
+program, no chunks), so each row's arithmetic is the same whatever the other rows hold and
+however the steps fall: a prompt of n tokens takes n steps, the price (docs/serving.md). No
+speculation in this mode.
 """
 
 from __future__ import annotations
@@ -121,6 +128,18 @@ class TokenLogprobs(typing.NamedTuple):
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+
+
+class _AnyToken:
+    """A constraint that allows every token (warm-up runs the constrained path with it)."""
+
+    done = False
+
+    def fill(self, row: np.ndarray) -> None:
+        row[:] = -1
+
+    def accept(self, token: int) -> None:
+        pass
 
 
 class QueueFull(Exception):
@@ -199,8 +218,10 @@ class Engine:
     def __init__(self, model: DeepseekV4, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0,
                  block_size: int | None = None, kv_cache_memory: int | None = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", deterministic: bool = False):
         cfg = model.config
+        if deterministic and speculative_tokens:
+            raise EngineConfigError("deterministic", "deterministic mode runs no speculation: drop speculative_tokens")
         if speculative_tokens and model.mtp is None:
             raise ValueError("speculative_tokens needs the checkpoint's MTP block: load the model with mtp=True")
         check_speculative_tokens(speculative_tokens, MAX_SPECULATIVE_TOKENS)
@@ -220,6 +241,7 @@ class Engine:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens_per_step}) must hold a prefill chunk "
                              f"({prefill_chunk})")
         self.max_queue = max_queue
+        self.deterministic = deterministic
         self.k = speculative_tokens
         self.mtp = model.mtp.params if self.k else None  # the block's rows run in prefill only with speculation
         self.block_size = default_block_size(cfg) if block_size is None else block_size
@@ -349,6 +371,12 @@ class Engine:
                 self.running[req.slot] = req
                 if req.sampling.penalized:
                     self._set_history(req)
+        if self.deterministic:
+            running = self._make_room(list(self.running.values()))
+            self._upload_table()
+            if running:
+                self._feed(running)
+            return bool(running)
         generating = self._make_room([r for r in self.running.values() if r.prefilled == len(r.context)])
         prefilling = sorted((r for r in self.running.values() if r.prefilled < len(r.context)), key=lambda r: r.id)
         self._upload_table()
@@ -490,16 +518,22 @@ class Engine:
         for req in [r for r in self.running.values() if r.cancelled]:
             self._finish(req, "cancelled")
 
-    def _sampling(self, reqs: dict[int, EngineRequest], rows: int) -> decode.Sampling:
+    def _sampling(self, reqs: dict[int, EngineRequest], rows: int, masks: bool = True) -> decode.Sampling:
         """How the requests at those rows (of `rows`) draw; the other rows greedy. A request
         prefilled anew after a preemption draws the token it had drawn last with that token's key.
-        A constrained request's row gets the tokens its constraint allows next."""
+        A constrained request's row gets the tokens its constraint allows next (unless not
+        `masks`: `_fill_masks` does it later)."""
         s = decode.Sampling.rows(rows, self.cfg.vocab_size, {i: r.sampling for i, r in reqs.items()},
                                  {i: len(r.tokens) - (r.resume is not None) for i, r in reqs.items()})
+        if masks:
+            self._fill_masks(s, reqs)
+        return s
+
+    @staticmethod
+    def _fill_masks(s: decode.Sampling, reqs: dict[int, EngineRequest]) -> None:
         for i, r in reqs.items():
             if r.constraint is not None:
                 r.constraint.fill(s.controls.mask[i])
-        return s
 
     def _prefill(self, chosen: list[tuple[EngineRequest, int]]) -> None:
         R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
@@ -539,8 +573,7 @@ class Engine:
         active[[r.slot for r in generating]] = True
         limit = np.zeros(self.slots, np.int32)
         limit[[r.slot for r in generating]] = [r.drafts for r in generating]
-        drawn, kept = self._run_decode(self.next_token.copy(), active, limit,
-                                       self._sampling({r.slot: r for r in generating}, self.slots))
+        drawn, kept = self._run_decode(self.next_token.copy(), active, limit, {r.slot: r for r in generating})
         drawn = self._fetch(drawn, generating)
         if kept is None:
             for r in generating:
@@ -562,6 +595,37 @@ class Engine:
                     break
             self._cache_full_blocks(r)
 
+    def _feed(self, running: list[EngineRequest]) -> None:
+        """Deterministic mode's step: one token into every running slot through the decode program,
+        the next prompt token of a request still prefilling (its first restarts its row), the last
+        drawn one of the others; a request whose prompt ends here draws its first token."""
+        S = self.slots
+        tokens, active, start, prompt = self.next_token.copy(), np.zeros(S, bool), np.full(S, -1, np.int32), \
+            np.zeros(S, bool)
+        drawing = {}
+        for r in running:
+            active[r.slot] = True
+            if r.prefilled < len(r.context):
+                tokens[r.slot], prompt[r.slot] = r.context[r.prefilled], True
+                if r.prefilled == r.start:
+                    start[r.slot] = r.start
+                if r.prefilled + 1 == len(r.context) and r.resume is None:
+                    drawing[r.slot] = r
+            else:
+                drawing[r.slot] = r
+        drawn, _ = self._run_decode(tokens, active, np.zeros(S, np.int32), drawing, start, prompt)
+        drawn = self._fetch(drawn, drawing.values())
+        for r in running:
+            if r.prefilled < len(r.context):
+                r.prefilled += 1
+                self.counters["prompt_tokens"] += 1
+                if r.prefilled == len(r.context) and r.resume is not None:
+                    self.next_token[r.slot] = r.tokens[-1]  # back where it was preempted
+            if r.slot in drawing:
+                self._emit_drawn(r, drawn, r.slot)
+            if r.slot is not None:
+                self._cache_full_blocks(r)
+
     @staticmethod
     def _fetch(drawn: decode.Drawn, reqs) -> decode.Drawn:
         """A program's Drawn on the host; its log-probabilities only when one of reqs asked."""
@@ -569,14 +633,27 @@ class Engine:
             return decode.Drawn(*(np.asarray(x) for x in drawn))
         return decode.Drawn(np.asarray(drawn.tokens), None, None, None)
 
-    def _run_decode(self, last, active, limit, sample: decode.Sampling) -> tuple:
+    def _run_decode(self, last, active, limit, drawing: dict[int, EngineRequest], start=None, prompt=None) -> tuple:
         """The engine's decode program over all slots, from each slot's last token `last` `[S]`
-        (the slots not `active` hold): one token each (decode.decode), or with speculation one
-        verification round keeping at most limit[s] drafts (decode.verify). Returns (Drawn `[S]`,
-        None) or (Drawn `[S, k + 1]`, kept `[S]`); the state is the program's."""
+        (the slots not `active` hold), the requests at `drawing`'s slots drawing their next token:
+        one token each (decode.decode; in deterministic mode with the rows starting a prompt,
+        `start`, and those fed a prompt token, `prompt`), or with speculation one verification
+        round keeping at most limit[s] drafts (decode.verify). When a drawing request has a
+        constraint (and no speculation runs), the model's half (decode.decode_logits) is launched
+        first and the constraints fill their masks while it runs, then decode.draw samples.
+        Returns (Drawn `[S]`, None) or (Drawn `[S, k + 1]`, kept `[S]`); the state is the
+        program's."""
+        overlap = not self.k and any(r.constraint is not None for r in drawing.values())
+        sample = self._sampling(drawing, self.slots, masks=not overlap)
         with self.model.on_mesh():
+            if overlap:
+                logits, self.state = decode.decode_logits(self.params, self.state, last, active, self.cfg, start,
+                                                          prompt)
+                self._fill_masks(sample, drawing)  # on the host, while the device runs the model
+                return decode.draw(logits, self.state.counts, self.state.prompt, sample), None
             if not self.k:
-                tokens, self.state = decode.decode(self.params, self.state, last, active, sample, self.cfg)
+                tokens, self.state = decode.decode(self.params, self.state, last, active, sample, self.cfg, start,
+                                                   prompt)
                 return tokens, None
             tokens, kept, self.state = decode.verify(self.params, speculative.BlockDrafts(self.mtp), self.state,
                                                      last, active, limit, sample, self.k, self.cfg)
@@ -665,19 +742,35 @@ class Engine:
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V = self.slots, self.cfg.vocab_size
-        total = 2 + len(rows) * len(chunks)
-        report = progress or (lambda *_: None)
+        if self.deterministic:  # no prefill program runs
+            rows = chunks = []
+        held = (np.zeros(S, bool), np.zeros(S, np.int32))
+        feeds = (np.full(S, -1, np.int32), np.zeros(S, bool)) if self.deterministic else (None, None)
         rng = np.random.default_rng(0)
-        for _ in range(decode_runs):
-            self._run_decode(rng.integers(0, V, S, dtype=np.int32), np.zeros(S, bool), np.zeros(S, np.int32),
-                             self._sampling({}, S))
-        jax.block_until_ready(self.state)
-        report(1, total, f"decode step ({S} slots)")
-        self.state = decode.set_history(self.state, np.int32(0), np.zeros(V, bool), np.zeros(V, np.int32))
-        jax.block_until_ready(self.state)
-        report(2, total, "penalty history")
+
+        def decode_steps():
+            for _ in range(decode_runs):
+                self._run_decode(rng.integers(0, V, S, dtype=np.int32), *held, {}, *feeds)
+
+        def two_halves():  # run for a request whose constraint allows every token
+            constrained = EngineRequest(-1, [0], 1, SamplingParams(), constraint=_AnyToken())
+            self._run_decode(rng.integers(0, V, S, dtype=np.int32), *held, {0: constrained}, *feeds)
+
+        def penalty_history():
+            self.state = decode.set_history(self.state, np.int32(0), np.zeros(V, bool), np.zeros(V, np.int32))
+
+        programs = [(f"decode step ({S} slots)", decode_steps)]
+        if not self.k:
+            programs.append(("decode step in two halves (constrained requests)", two_halves))
+        programs.append(("penalty history", penalty_history))
+        total = len(programs) + len(rows) * len(chunks)
+        report = progress or (lambda *_: None)
+        for i, (name, run) in enumerate(programs, 1):
+            run()
+            jax.block_until_ready(self.state)
+            report(i, total, name)
         with self.model.on_mesh():
-            for i, (R, T) in enumerate(itertools.product(rows, chunks), 3):
+            for i, (R, T) in enumerate(itertools.product(rows, chunks), len(programs) + 1):
                 _, self.state = decode.prefill(
                     self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
                     rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),

@@ -42,6 +42,9 @@ the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400 na
 `best_of`, `echo`, `suffix`, `functions`, `function_call`, `modalities`, `audio`, `prediction`,
 `web_search_options`, `verbosity`. Any other field is a 400 ("Unrecognized request argument").
 
+With --deterministic a request's tokens do not depend on what is batched with it or on how its
+prompt is cut (the engine's deterministic mode: prompts go in a token a step).
+
 Errors are OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with the HTTP status as
 `code` (dsv4_jax/serving/http.py): 400 for a bad request (malformed JSON, a field of the wrong type
 or value, text with a lone surrogate, a token id outside the vocabulary, a prompt longer than the
@@ -613,8 +616,10 @@ class _CompletionLogprobs:
     def add(self, out: ChoiceOutput, token: int, lp) -> dict:
         """Adds a token; returns the part for this token alone (a stream's chunk)."""
         text = out.token_text(token)
-        part = {"tokens": [text], "token_logprobs": [lp.logprob], "text_offset": [self.offset],
-                "top_logprobs": [{out.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}]}
+        top = {}
+        for t, v in zip(lp.top_ids, lp.top_logprobs):  # tokens that print alike: the likeliest keeps the key
+            top.setdefault(out.token_text(t), v)
+        part = {"tokens": [text], "token_logprobs": [lp.logprob], "text_offset": [self.offset], "top_logprobs": [top]}
         self.offset += len(text)
         for key, value in part.items():
             getattr(self, key).extend(value)
@@ -934,9 +939,9 @@ def _grammar(body: _Common, tools: ToolSpec | None, service: Service) -> str | N
     response_format, or either endpoint's structured_outputs; 400 naming the field when the
     library refuses it."""
     forced = None if tools is None else tools.forced_names()
-    asked = [name for name, value in (("tool_choice", forced), ("response_format", getattr(body, "response_format", None)),
-                                      ("structured_outputs", body.structured_outputs))
-             if value is not None and value != {"type": "text"}]
+    fields = (("tool_choice", forced), ("response_format", getattr(body, "response_format", None)),
+              ("structured_outputs", body.structured_outputs))
+    asked = [name for name, value in fields if value is not None and value != {"type": "text"}]
     if len(asked) > 1:
         raise APIError(400, f"{asked[0]} and {asked[1]} both constrain the reply: send one", asked[1])
     try:
@@ -988,6 +993,9 @@ def parse_args(argv=None):
     ap.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
                     help="continuous batching (the engine; default), or static batches through generate (the "
                          "baseline it is measured against: a batch runs to its end before the next starts)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="a request's tokens do not depend on what else is batched or on how its prompt is cut "
+                         "(prompts go in one token a step through the decode program; slower prefill)")
     ap.add_argument("--speculative-tokens", type=int, default=0,
                     help="speculative decoding with the checkpoint's MTP block: K drafts a round (1-8; default 0: off)")
     ap.add_argument("--no-warmup", action="store_true", help="open the port without compiling first (the first "
@@ -1069,6 +1077,8 @@ def load_service(args, log=None) -> Service:
         log(dsv4_jax.index_cache_schedule(cfg).describe())
     eos = generation_eos_ids(args.ckpt, cfg.vocab_size) or (
         () if cfg.eos_token_id is None else (cfg.eos_token_id,))
+    if args.scheduler == "static" and args.deterministic:
+        raise ValueError("--scheduler static runs generate's batches: drop --deterministic")
     if args.scheduler == "static" and args.speculative_tokens:
         raise ValueError("--scheduler static runs no speculation: drop --speculative-tokens")
     try:
@@ -1077,7 +1087,7 @@ def load_service(args, log=None) -> Service:
             max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
             speculative_tokens=args.speculative_tokens, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype)
+            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
     except EngineConfigError as e:
         raise ValueError(f"--{e.param.replace('_', '-')}: {e}") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
