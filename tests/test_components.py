@@ -66,7 +66,9 @@ def _indexer_topk(ip, x, c_q, cos, sin, freqs, cfg):
     sa, sz = _fresh_state(B, CSA, ip["compressor"]["wkv"].shape[0])
     pool = jnp.zeros((B, max(1, S // CSA), cfg.index_head_dim), x.dtype)
     keys = ours_attn.compress_chunk(ip["compressor"], x, sa, sz, jnp.int32(0), CSA, freqs, cfg)[0]
-    return ours_attn.indexer_select(ip, x, c_q, cos, sin, pool, keys, jnp.int32(0), cfg)
+    p0 = jnp.int32(0)
+    scores = ours_attn.indexer_logits(ip, x, c_q, cos, sin, pool, keys, p0, cfg)
+    return ours_attn.indexer_select(scores, p0, pool.shape[1], cfg)
 
 
 _select_topk = jax.jit(select_topk, static_argnums=(2,))

@@ -2,7 +2,7 @@
 on the random checkpoint's byte-level BPE must end in text that parses and validates; bad request
 fields are GrammarErrors naming the field; the JAX mask matches a numpy reference.
 
-A walk samples each token by Gumbel-max over random logits masked with `apply_bitmask` (so the
+A walk samples each token by Gumbel-max over random logits masked as the sampling program masks them (`sampling.allowed`) (so the
 device-side mask is in every step), with a bias on the tokens that close things (quotes,
 brackets, eos, "<" and the next byte of a DSML closing tag in progress) that grows with the steps
 in a row of free text (more than WIDE tokens allowed) and is 0 at structural choices (an optional
@@ -20,6 +20,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from dsv4_jax.runtime.sampling import allowed
 from dsv4_jax.serving import grammar
 from dsv4_jax.serving.grammar import Constraint, GrammarError, TokenVocabulary
 from dsv4_jax.tools.random_checkpoint import EOS_ID, build_tokenizer, byte_chars
@@ -84,7 +85,12 @@ TOOLS = [
     {"type": "function", "function": {"name": "now"}},
 ]
 
-_apply = jax.jit(grammar.apply_bitmask)
+
+
+@jax.jit
+def _apply(logits, bitmask):
+    """The logits with what the bitmask does not allow at -inf, as the sampling program masks them."""
+    return jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf)
 
 
 @pytest.fixture(scope="module")
@@ -335,10 +341,10 @@ def test_constraint_misuse(tokenizer, vocab):
         TokenVocabulary(tokenizer, TOKENIZER_SIZE - 1, [EOS_ID])
 
 
-# ---- apply_bitmask --------------------------------------------------------------------------
+# ---- the bitmask on device ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("V", [64, 70, 750])
-def test_apply_bitmask_matches_numpy(V):
+def test_the_sampling_programs_bitmask_matches_numpy(V):
     rng = np.random.default_rng(V)
     R, W = 4, grammar.words(V) + (V == 70)  # a spare word is allowed
     bitmask = rng.integers(-2**31, 2**31, size=(R, W), dtype=np.int64).astype(np.int32)
@@ -350,5 +356,3 @@ def test_apply_bitmask_matches_numpy(V):
     got = np.asarray(_apply(jnp.asarray(logits), jnp.asarray(bitmask)))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got[0], logits[0])
-    with pytest.raises(ValueError):
-        grammar.apply_bitmask(jnp.asarray(logits), jnp.asarray(bitmask[:, :1]))

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("pallas_kernels", "dsv4_jax", "convert")
 # Lowest first. A module may import its own floor and those below. `dsv4_jax` alone is the public
 # API (dsv4_jax/__init__.py: load, generate, Engine, ...), over the runtime and under the server.
-FLOORS = ("pallas_kernels", "dsv4_jax.model", "dsv4_jax.checkpoint", "dsv4_jax.runtime", "dsv4_jax",
+FLOORS = ("pallas_kernels", "dsv4_jax.model", "dsv4_jax.checkpoint", "dsv4_jax.runtime", "dsv4_jax.training", "dsv4_jax",
           "dsv4_jax.serving", "dsv4_jax.tools", "convert")
 
 

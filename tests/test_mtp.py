@@ -223,13 +223,14 @@ def test_hidden_streams_of_step_equal_transformers(tmp_path):
     hook.remove()
     run = jax.jit(step, static_argnames=("cfg", "last_only", "return_hidden"))
     n = jnp.asarray([13, 6], jnp.int32)
-    logits, cache, hidden, _ = run(params, init_cache(CFG, 2, 16), jnp.asarray(ids), cfg=CFG, n_valid=n,
-                                   return_hidden=True)
+    out = run(params, init_cache(CFG, 2, 16), jnp.asarray(ids), cfg=CFG, n_valid=n, return_hidden=True)
+    logits, hidden = out.logits, out.hidden
     assert hidden.shape == (2, 13, CFG.hc_mult, CFG.hidden_size)
     assert _close(hidden[0], seen["h"][0].numpy()) and _close(hidden[1, :6], seen["h"][1, :6].numpy())
     assert _close(lm_logits(hidden, params["hc_head"], params["norm"], params["head"], CFG), logits)
-    last, _, hidden_last, _ = run(params, init_cache(CFG, 2, 16), jnp.asarray(ids), cfg=CFG, n_valid=n,
-                                  last_only=True, return_hidden=True)
+    out = run(params, init_cache(CFG, 2, 16), jnp.asarray(ids), cfg=CFG, n_valid=n, last_only=True,
+              return_hidden=True)
+    last, hidden_last = out.logits, out.hidden
     assert last.shape == (2, 1, CFG.vocab_size) and hidden_last.shape == hidden.shape
     assert _close(hidden_last, hidden)
     assert _close(last[:, 0], np.asarray(logits)[[0, 1], [12, 5]])

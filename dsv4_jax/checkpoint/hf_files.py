@@ -18,6 +18,9 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG)
+# DeepSeek-V4's special tokens as its tokenizer spells them: bos, eos, the chat roles, thinking
+BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
 
 
 def _json_object(path: str) -> dict:
@@ -74,3 +77,15 @@ def copy_files(hf_dir: str, out_dir: str, names: list[str]) -> None:
     each new file gets the mode the umask gives."""
     for name in names:
         shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+
+
+def tokenizer_config(tok, model_max_length: int) -> dict:
+    """tokenizer_config.json as transformers reads it for a `tokenizers.Tokenizer` with the
+    special tokens above (bos added in front of every encoding; no chat template: DeepSeek-V4
+    checkpoints ship none)."""
+    added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True}
+             for i, t in sorted(tok.get_added_tokens_decoder().items())}
+    return {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+            "unk_token": None, "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
+            "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added}

@@ -217,23 +217,29 @@ def visible_entries(p0: jnp.ndarray, T: int, ratio: int) -> jnp.ndarray:
     return (p0[:, None] + jnp.arange(T, dtype=jnp.int32) + 1) // ratio
 
 
-def indexer_select(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
+def indexer_logits(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
                    keys_pool: jnp.ndarray, new_keys: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """The indexer's top-min(index_topk, pool rows) absolute entry ids for each query of the chunk.
+    """The indexer's score of every entry for each query of the chunk, fp32 `[B, T, N]` in absolute
+    entry order, the pool's and the chunk's (visible or not: `visible_entries` says which count).
 
     x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[B, T, rope/2]` at the query positions, keys_pool
     `[B, P, dI]` the cached keys, new_keys `[B, n, dI]` the chunk's (its indexer compressor's
-    entries, as compress_chunk gives them), p0 `[B]` the rows' first positions. Returns ids int32
-    `[B, T, K]`, -1 where fewer are visible."""
+    entries, as compress_chunk gives them), p0 `[B]` the rows' first positions."""
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-    P = keys_pool.shape[1]
     # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
-    scores = _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
-    return select_topk(scores, visible_entries(p0, T, CSA), min(cfg.index_topk, P))
+    return _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
+
+
+def indexer_select(scores: jnp.ndarray, p0: jnp.ndarray, pool_rows: int, cfg: ModelConfig) -> jnp.ndarray:
+    """The top-min(index_topk, pool_rows) absolute entry ids of `indexer_logits`' scores `[B, T, N]`
+    for each query of the chunk (rows at positions p0 `[B]` ..; pool_rows: the key pool's P, the
+    width every layer's selection shares): int32 `[B, T, K]`, -1 where fewer are visible."""
+    B, T, _ = scores.shape
+    return select_topk(scores, visible_entries(row_positions(p0, B), T, CSA), min(cfg.index_topk, pool_rows))
 
 
 def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
@@ -373,19 +379,23 @@ def _compressed_tiles(q, rows, comp_idx, m_all, scale):
         m_all = jnp.maximum(m_all, jnp.max(lc, axis=-1))
         return (m_all, *weigh(0, lc, m_all))
 
-    def first(j, carry):
-        lcs, m = carry
-        lc = logits(j)
-        return lcs.at[j].set(lc), jnp.maximum(m, jnp.max(lc, axis=-1))
-
-    def second(j, carry):
-        denom, out = carry
-        d, o = weigh(j, lcs[j], m_all)
-        return denom + d, out + o
-
+    # scans with the tiles past the highest chosen row skipped (not dynamic-length loops: the
+    # model is trained through this, and reverse mode needs a static trip count)
     used = (jnp.max(comp_idx) + tile) // tile  # tiles up to the highest chosen row; 0 if none
-    lcs, m_all = jax.lax.fori_loop(0, used, first, (jnp.full((n_tiles, B, T, H, tile), -jnp.inf, q.dtype), m_all))
-    denom, out = jax.lax.fori_loop(0, used, second, (jnp.zeros((B, T, H), q.dtype), jnp.zeros((B, T, H, D), q.dtype)))
+    tiles = jnp.arange(n_tiles)
+
+    def first(m, j):
+        lc = jax.lax.cond(j < used, logits, lambda j: jnp.full((B, T, H, tile), -jnp.inf, q.dtype), j)
+        return jnp.maximum(m, jnp.max(lc, axis=-1)), lc
+
+    m_all, lcs = jax.lax.scan(first, m_all, tiles)
+    nothing = (jnp.zeros((B, T, H), q.dtype), jnp.zeros((B, T, H, D), q.dtype))
+
+    def second(carry, j):
+        d, o = jax.lax.cond(j < used, lambda j: weigh(j, lcs[j], m_all), lambda j: nothing, j)
+        return (carry[0] + d, carry[1] + o), None
+
+    (denom, out), _ = jax.lax.scan(second, nothing, tiles)
     return m_all, denom, out
 
 

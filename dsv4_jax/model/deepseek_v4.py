@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .layer_kinds import BY_RATIO, CSA, HCA, KINDS, WINDOW
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .index_cache import index_cache_schedule
+from .indexer import distillation_kl
 from .layer_weights import take_layer
 from .linear import dense
 from .moe import learned_choice, route, routed_experts, routed_experts_on_mesh, router_scores, shared_expert
@@ -134,6 +135,7 @@ class _Step:
     chunk: _Chunk
     cache_shapes: dict  # group -> {name: ShapeDtypeStruct}, the stacks this step updates
     measure_reuse: bool
+    indexer_kl: bool
 
     def payloads(self, own: dict) -> tuple:
         """Every cache group's payload, in `cache_shapes` order: the branch's own, zeros (nothing
@@ -156,11 +158,15 @@ class _Step:
         return out
 
 
+# A layer's (reuse overlap, indexer KL), NaN where it has none (`step`'s measure_reuse, indexer_kl).
+_NO_AUX = np.full((2,), np.nan, np.float32)
+
+
 def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A window-only layer: its ring and the chunk."""
     ring = take_layer(caches["window"]["ring"], lay.local)
     o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
-    return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), jnp.float32(jnp.nan)
+    return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), _NO_AUX
 
 
 def _loaded(rows: jnp.ndarray, cfg: ModelConfig, dtype) -> jnp.ndarray:
@@ -210,32 +216,37 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
     out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
                    "state_z": sz}}
-    overlap = jnp.float32(jnp.nan)
+    overlap = kl = jnp.float32(jnp.nan)
+    # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
+    # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
+    x, c_q = jax.lax.stop_gradient(lay.x), jax.lax.stop_gradient(lay.c_q)
 
     def indexer_keys():
         """This layer's indexer keys of the chunk (and its compressor's payload) and its key pool."""
         ci = take_layer(caches["indexer"], lay.index_local)
         keys, n_keys, isa, isz = attention.compress_chunk(
-            own["indexer"]["compressor"], lay.x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
+            own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
             n_valid=ch.n_valid)
         keys = _pinned(keys, ci["pool"], ch, CSA, cfg)
         return {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}, ci["pool"]
 
-    def own_selection(keys, key_pool):
-        return attention.indexer_select(own["indexer"], lay.x, lay.c_q, lay.cos, lay.sin,
-                                        pool_view(key_pool, ch.blocks, ch.groups), keys, ch.p0, cfg)
+    def own_choice(keys, key_pool):
+        """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
+        pool = pool_view(key_pool, ch.blocks, ch.groups)
+        scores = attention.indexer_logits(own["indexer"], x, c_q, lay.cos, lay.sin, pool, keys, ch.p0, cfg)
+        return scores, attention.indexer_select(scores, ch.p0, pool.shape[1], cfg)
 
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
         ids = last_ids
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
             payload, key_pool = indexer_keys()
             if ctx.measure_reuse:
-                overlap = attention.selection_overlap(own_selection(payload["entries"], key_pool), ids)
+                overlap = attention.selection_overlap(own_choice(payload["entries"], key_pool)[1], ids)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
         out["indexer"], key_pool = indexer_keys()
-        ids = own_selection(out["indexer"]["entries"], key_pool)
+        scores, ids = own_choice(out["indexer"]["entries"], key_pool)
     first = ch.p0 // CSA
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
@@ -248,8 +259,10 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     else:
         pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
         comp_rows, comp_idx = attention.in_entry_order(pool, entries, first), ids
+        if ctx.indexer_kl and not reuse:
+            kl = distillation_kl(lay.q, comp_rows, scores, ids, cfg.head_dim ** -0.5)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    return o, ids, ctx.payloads(out), overlap
+    return o, ids, ctx.payloads(out), jnp.stack([overlap, kl])
 
 
 def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
@@ -268,7 +281,7 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     payload = {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
                "state_z": sz}
-    return o, last_ids, ctx.payloads({"hca": payload}), jnp.float32(jnp.nan)
+    return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
 
 _BRANCH_FNS = {"window": _window_branch, "csa": partial(_csa_branch, reuse=False),
@@ -325,7 +338,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     # switch, unconditionally, into every group's stacks: at the layer's own index when its
     # branch writes that group, else at an out-of-range index (dropped).
     branches = [partial(_BRANCH_FNS[b], ctx) for b in sched.branches]
-    o, last_ids, outs, overlap = jax.lax.switch(branch, branches, lay, caches, last_ids)
+    o, last_ids, outs, aux = jax.lax.switch(branch, branches, lay, caches, last_ids)
     writers = _writers(cfg)
     new = {}
     for group, payload in zip(ctx.cache_shapes, outs):
@@ -338,7 +351,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
     h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb, cfg)
-    return (h, new, last_ids), overlap
+    return (h, new, last_ids), aux
 
 
 def _rows_valid(n_valid, B: int, T: int) -> jnp.ndarray:
@@ -359,27 +372,28 @@ def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place
 
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
-               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False, rows_in_place: bool = True):
+               n_valid: jnp.ndarray | None = None, measure_reuse: bool = False, rows_in_place: bool = True,
+               indexer_kl: bool = False):
     """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
     streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
     `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
-    `[B, T, hc, D]`, the cache with the chunk added, per-layer reuse overlaps `[L]` as `step`'s
-    measure_reuse). The MTP block (dsv4_jax/model/mtp.py) runs its one layer through here too, as the
-    stack of a one-layer model."""
+    `[B, T, hc, D]`, the cache with the chunk added, per layer (reuse overlap, indexer KL) `[L, 2]`
+    as `step`'s measure_reuse and indexer_kl). The MTP block (dsv4_jax/model/mtp.py) runs its one
+    layer through here too, as the stack of a one-layer model."""
     B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
     cache = sharding.constrain_cache(cfg, cache)
     stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
     chunk = _chunk(cache, B, T, n_valid, cfg, rows_in_place)
     ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
-                measure_reuse)
+                measure_reuse, indexer_kl)
     xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
           jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
           jnp.asarray(sched.route_local))
     k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    (h, stacks, _), overlaps = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
-    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, overlaps
+    (h, stacks, _), aux = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, aux
 
 
 def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,
@@ -400,11 +414,12 @@ class StepOutput(NamedTuple):
     cache: dict  # the cache with the chunk added
     hidden: jnp.ndarray | None = None  # with return_hidden: the final streams [B, T, hc, D] before the hc head
     reuse_overlap: jnp.ndarray | None = None  # with measure_reuse: [L], per layer (NaN: not reusing)
+    indexer_kl: jnp.ndarray | None = None  # with indexer_kl: [L], per layer (NaN: no indexer of its own)
 
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
          measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False,
-         rows_in_place: bool = True) -> StepOutput:
+         rows_in_place: bool = True, indexer_kl: bool = False) -> StepOutput:
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
@@ -422,18 +437,22 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     rows_in_place (static): the rows are the cache's own, in order, so on a mesh each device's rows
     hold their blocks on that device and the pools are read and written device by device; False
     for a sub-batch of rows taken out of a larger cache (cache.take_rows), whose rows sit elsewhere.
+    With indexer_kl (static; chunks of T > 1), `indexer_kl` `[L]` gives each ratio-4 layer that
+    chooses its own entries the indexer's training loss on the chunk (`indexer.distillation_kl`).
     """
     B, T = input_ids.shape
     x = params["embed"][input_ids]
     h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
                            (sharding.BATCH, None, None, None))
-    hidden, new_cache, overlaps = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse, rows_in_place)
+    hidden, new_cache, aux = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse, rows_in_place,
+                                        indexer_kl)
     h = hidden
     if last_only:
         last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
     logits = lm_logits(h, params["hc_head"], params["norm"], params["head"], cfg)
-    return StepOutput(logits, new_cache, hidden if return_hidden else None, overlaps if measure_reuse else None)
+    return StepOutput(logits, new_cache, hidden if return_hidden else None, aux[:, 0] if measure_reuse else None,
+                      aux[:, 1] if indexer_kl else None)
 
 
 def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:

@@ -52,10 +52,9 @@ import re
 import secrets
 from datetime import datetime
 
+from dsv4_jax.checkpoint.hf_files import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from .tokenization import surrogate_message
 
-BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
 # DeepSeek-V4's tool-call markup (DSML): TOOL_CALLS, then per call INVOKE + name + '">' and per
 # argument PARAMETER + name + '" string="true|false">' + value + END_PARAMETER, each closed in turn.
 TOOL_CALLS, END_TOOL_CALLS = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"

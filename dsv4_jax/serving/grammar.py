@@ -13,8 +13,8 @@ The flow, per (request, choice):
   (`GrammarError.param`) rather than a failure mid-generation;
 - `Constraint(vocab, grammar)` holds an `llguidance.LLMatcher` on the host. While the device runs
   a step, `fill(row)` writes the allowed next tokens into one int32 row `[W]` of a packed bitmask
-  `[R, W]`, W = `words(vocab_size)`; the server uploads it and the sampling program calls
-  `apply_bitmask`; after each sampled token the server calls `accept(token)`. `done` says that
+  `[R, W]`, W = `words(vocab_size)`; the server uploads it and the sampling program unpacks it
+  (`dsv4_jax.runtime.sampling.allowed`); after each sampled token the server calls `accept(token)`. `done` says that
   only eos may follow (the server then stops the choice as it does at eos).
 
 Bitmask layout (llguidance's, which `llguidance.numpy` also uses): bit i of word j (bit 0 the
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, grammar_from
 
@@ -331,20 +330,3 @@ class Constraint:
     def error(self) -> str | None:
         """The matcher's error text, or None."""
         return self._matcher.get_error() or None
-
-
-# ---- device side ----------------------------------------------------------------------------
-
-def apply_bitmask(logits: jnp.ndarray, bitmask: jnp.ndarray) -> jnp.ndarray:
-    """logits `[R, V]` with the tokens bitmask `[R, W]` (int32, W >= V / 32, layout: module doc)
-    does not allow set to -inf. Pure jnp with static shapes, for use inside jit; a row of all ones
-    (words of -1) leaves its logits unchanged."""
-    R, V = logits.shape
-    if bitmask.shape[0] != R or 32 * bitmask.shape[1] < V:
-        raise ValueError(f"bitmask {bitmask.shape} does not cover logits {logits.shape}")
-    # Unpack each word into 32 bits, least significant first: [R, W, 32] -> [R, 32 W] -> [R, V].
-    # The shift is arithmetic on int32, but "& 1" keeps only the bit asked for.
-    shifts = jnp.arange(32, dtype=jnp.int32)
-    bits = (bitmask.astype(jnp.int32)[:, :, None] >> shifts) & 1
-    allowed = bits.reshape(R, -1)[:, :V].astype(bool)
-    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))

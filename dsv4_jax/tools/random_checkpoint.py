@@ -37,6 +37,7 @@ import sys
 
 import numpy as np
 
+from dsv4_jax.checkpoint.hf_files import ASSISTANT, BOS, END_THINK, EOS, THINK, USER, tokenizer_config
 from dsv4_jax.model.config import ModelConfig, Yarn
 from dsv4_jax.model.params import init_params
 
@@ -73,8 +74,6 @@ PRESETS: dict[str, tuple[ModelConfig, int]] = {
     "flash-mini": (ModelConfig.from_hf(FLASH_MINI), 4),
 }
 
-BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
 BOS_ID, EOS_ID = 0, 1
 FIRST_BYTE_ID = 2
 MIN_VOCAB = 256 + 6  # the bytes and the special tokens
@@ -155,17 +154,6 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return tok
 
 
-def tokenizer_config(tok, cfg: ModelConfig) -> dict:
-    """tokenizer_config.json as transformers reads it (no chat template)."""
-    added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True}
-             for i, t in sorted(tok.get_added_tokens_decoder().items())}
-    return {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-            "unk_token": None, "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg.max_position_embeddings, "tokenizer_class": "PreTrainedTokenizerFast",
-            "added_tokens_decoder": added}
-
-
 # ---- weights --------------------------------------------------------------------------------
 
 def mtp_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -234,7 +222,7 @@ def _write_into(tmp: str, preset: str, cfg: ModelConfig, shards: int, with_mtp: 
     tok = build_tokenizer(cfg.vocab_size, seed)
     files = {"config.json": config,
              "generation_config.json": {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id},
-             "tokenizer_config.json": tokenizer_config(tok, cfg)}
+             "tokenizer_config.json": tokenizer_config(tok, cfg.max_position_embeddings)}
     for name, obj in files.items():
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
