@@ -55,7 +55,7 @@ def main() -> None:
         main = dict(model.params)
         frozen = {"tid2eid": main.pop("tid2eid")} if "tid2eid" in main else {}
         trainable = {"main": main} if model.mtp is None else {"main": main, "mtp": model.mtp.params}
-        return objective.total(objective.losses(trainable, frozen, windows, cfg), MTP_WEIGHT)
+        return objective.total(objective.losses(trainable, frozen, windows, cfg)[0], MTP_WEIGHT)
 
     @nnx.jit
     def train_step(model, optimizer):

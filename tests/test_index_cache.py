@@ -130,17 +130,80 @@ def test_decode_equals_full_forward_with_reuse(params, skip_compressor):
     assert np.abs(full - off).max() > 1e-3  # reuse changed what layer 3 attends to
 
 
-def test_measured_overlap(params):
+def test_measured_reuse(params):
     cfg = BASE.replace(use_index_cache=True, index_topk_freq=2)
-    overlap = jax.jit(step, static_argnums=(3, 4, 5))(
-        params, init_cache(cfg, 2, 64), _ids(64), cfg, False, True).reuse_overlap
-    overlap = np.asarray(overlap)
-    assert np.isnan(overlap[[0, 1, 2, 4, 5, 6]]).all()
-    assert 0.0 <= overlap[3] <= 1.0
+    reuse = jax.jit(step, static_argnums=(3, 4, 5))(params, init_cache(cfg, 2, 64), _ids(64), cfg, False, True).reuse
+    for v in reuse:
+        v = np.asarray(v)
+        assert np.isnan(v[[0, 1, 2, 4, 5, 6]]).all() and np.isfinite(v[3])
+    assert 0.0 <= reuse.overlap[3] < 1.0  # random weights: layer 3 would choose otherwise
+    assert 0.0 < reuse.attention_js[3] <= np.log(2) and 0.0 < reuse.dropped_mass[3] <= 1.0
     same = BASE.replace(use_index_cache=True, index_topk_freq=1)
     none = jax.jit(step, static_argnums=(3, 4, 5))(params, init_cache(same, 2, 64), _ids(64), same, False,
-                                                   True).reuse_overlap
-    assert np.isnan(np.asarray(none)).all()
+                                                   True).reuse
+    assert all(np.isnan(np.asarray(v)).all() for v in none)
+
+
+def _attention_numpy(q, keys, sink, scale):
+    """One query's per-head softmax over its keys `[n, D]` and the sink: `[H, n]` (the sink's share
+    left out)."""
+    logits = np.concatenate([q @ keys.T * scale, sink[:, None]], axis=1)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    return (p / p.sum(1, keepdims=True))[:, :-1]
+
+
+@pytest.mark.parametrize("T,p0", [(5, 7), (1, 20), (6, 0)])
+def test_reuse_measures_equal_a_numpy_model(T, p0):
+    """`attention.reuse_measures` against the two attention distributions written out key by key
+    (window keys from the ring and the chunk, chosen rows, sink), fp64: overlap, Jensen-Shannon
+    divergence and dropped mass, each within 1e-5 (fp32 sums of at most 16 keys). Own and reused
+    ids share some entries, miss others, and pad with -1."""
+    rng = np.random.default_rng(T * 100 + p0)
+    B, H, D, W, R, Nc, K = 2, 3, 8, 4, 6, 10, 4
+    cfg = BASE.replace(sliding_window=W, head_dim=D)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    ring = rng.normal(size=(B, R, D)).astype(np.float32)
+    kv = rng.normal(size=(B, T, D)).astype(np.float32)
+    rows = rng.normal(size=(B, Nc, D)).astype(np.float32)
+    sink = rng.normal(size=(H,)).astype(np.float32)
+    perm = np.stack([np.stack([rng.permutation(Nc) for _ in range(T)]) for _ in range(B)]).astype(np.int32)
+    own = perm[..., :K].copy()
+    reused = np.concatenate([perm[..., [2, K, 0]], np.full((B, T, 1), -1, np.int32)], axis=-1)  # 2 shared, other order
+    own[:, 0, 2:] = -1
+    got = np.asarray(attention.reuse_measures(q, ring, kv, rows, own, reused, sink, np.full((B,), p0, np.int32),
+                                              cfg))
+    scale = D ** -0.5
+    overlaps, jss, drops = [], [], []
+    for b in range(B):
+        for t in range(T):
+            pos = p0 + t
+            window = [ring[b, s % R] if s < p0 else kv[b, s - p0] for s in range(max(0, pos - W + 1), pos + 1)]
+            a_ids, b_ids = [i for i in own[b, t] if i >= 0], [i for i in reused[b, t] if i >= 0]
+            keys = sorted(set(a_ids) | set(b_ids))
+            def dist(ids):  # [H, window + keys], zero on the keys not chosen
+                p = _attention_numpy(q[b, t].astype(np.float64), np.array(window + [rows[b, i] for i in ids]),
+                                     sink.astype(np.float64), scale)
+                full = np.zeros((H, len(window) + len(keys)))
+                full[:, :len(window)] = p[:, :len(window)]
+                for j, i in enumerate(ids):
+                    full[:, len(window) + keys.index(i)] = p[:, len(window) + j]
+                return full
+            pa, pb = dist(a_ids), dist(b_ids)
+            sink_a, sink_b = 1 - pa.sum(1), 1 - pb.sum(1)
+            m = (pa + pb) / 2
+            def kl(p, r):
+                return np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1) / np.where(r > 0, r, 1)), 0), 1)
+            js = 0.5 * (kl(pa, m) + kl(pb, m)) + 0.5 * (kl(sink_a[:, None], ((sink_a + sink_b) / 2)[:, None])
+                                                         + kl(sink_b[:, None], ((sink_a + sink_b) / 2)[:, None]))
+            dropped = sum(pa[:, len(window) + keys.index(i)] for i in a_ids if i not in b_ids) if a_ids else 0
+            if a_ids:
+                overlaps.append(np.mean([i in b_ids for i in a_ids]))
+                jss.append(js.mean())
+                drops.append(np.mean(dropped))
+    np.testing.assert_allclose(got, [np.mean(overlaps), np.mean(jss), np.mean(drops)], atol=1e-5)
+    assert 0 < np.mean(drops) and np.mean(overlaps) < 1  # the case is not trivial
+    same = np.asarray(attention.reuse_measures(q, ring, kv, rows, own, own, sink, np.full((B,), p0, np.int32), cfg))
+    np.testing.assert_allclose(same, [1, 0, 0], atol=1e-6)
 
 
 def test_report_json(tmp_path, capsys):
@@ -158,7 +221,8 @@ def test_report_json(tmp_path, capsys):
     # index_topk 4: positions from 4 * 5 - 1 = 19 see 5 or more ratio-4 entries and choose
     assert out["indexer_choice"]["meaningful"] and out["indexer_choice"]["prompt_positions_choosing"] == 24 - 19
     assert out["indexer_choice"]["generated_positions_choosing"] == 4
-    assert 0 <= out["overlap_per_reusing_layer"]["3"] <= 1
+    layer = out["per_reusing_layer"]["3"]
+    assert 0 <= layer["overlap"] <= 1 and 0 <= layer["attention_js"] <= np.log(2) and 0 <= layer["dropped_mass"] <= 1
     assert out["kl_next_token"]["mean"] >= 0 and 0 <= out["greedy_agreement"]["fraction_equal"] <= 1
     assert all(v > 0 for k, v in out["time_s"].items() if k != "note")
     assert main(["--ckpt", str(tmp_path), "--pattern", "F", "--prompt-len", "8", *off]) == 1  # nothing reuses
@@ -171,6 +235,6 @@ def test_report_json(tmp_path, capsys):
     assert out["indexer_choice"] | {"note": None} == {
         "index_topk": 4, "ratio4_entries_at_prompt_end": 3, "prompt_positions_choosing": 0,
         "generated_positions_choosing": 0, "meaningful": False, "note": None}
-    assert out["overlap_per_reusing_layer"] == {"3": None}
+    assert out["per_reusing_layer"] == {"3": {"overlap": None, "attention_js": None, "dropped_mass": None}}
     assert out["kl_next_token"]["mean"] is None and out["greedy_agreement"]["fraction_equal"] is None
     assert "warning: prompts of 12 tokens never see more than index_topk=4" in captured.err

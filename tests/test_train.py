@@ -4,6 +4,7 @@ and serves as a checkpoint, speculative greedy output equals plain greedy on it,
 where it stopped, data parallelism on two devices computes the same step, the fine-tuning
 example tunes, and bad input is one line. The indexer's loss teaches the indexer only."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import dsv4_jax
 from dsv4_jax.model.cache import init_cache
 from dsv4_jax.model.indexer import distillation_kl
 from dsv4_jax.tools import train as train_cli
-from dsv4_jax.training import data
+from dsv4_jax.training import data, objective
 from dsv4_jax.training.trainer import Trainer, TrainSettings, init_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,18 +40,19 @@ def _corpus(tmp_path, n_files=30, size=6000):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny run of STEPS steps on one device: (its directory, its per-step losses, its summary)."""
+    """A tiny run of STEPS steps on one device: (its directory, its per-step losses, its summary,
+    the corpus, the Trainer)."""
     tmp = tmp_path_factory.mktemp("train")
     corpus = _corpus(tmp, n_files=200, size=20000)
     seen = []
     trainer = Trainer.start(TrainSettings(out=str(tmp / "run"), preset="tiny", corpus=(corpus,), steps=STEPS,
                                           indexer_warmup=5, devices=1))
     summary = trainer.train(lambda step, steps, parts, tps: seen.append(parts))
-    return tmp / "run", seen, summary, corpus
+    return tmp / "run", seen, summary, corpus, trainer
 
 
 def test_the_loss_falls_below_the_unigram_baseline(run):
-    out, seen, summary, _ = run
+    out, seen, summary, _, trainer = run
     assert len(seen) == STEPS and summary["steps"] == STEPS
     first = np.mean([p["lm"] for p in seen[:3]])
     assert summary["train_loss"] < first - 0.8, (first, summary["train_loss"])
@@ -64,7 +66,7 @@ def test_the_loss_falls_below_the_unigram_baseline(run):
 
 
 def test_the_directory_is_a_checkpoint_that_generates_and_speculates(run):
-    out, _, summary, _ = run
+    out, _, summary, _, _ = run
     assert dsv4_jax.ModelConfig.from_hf(str(out)).num_nextn_predict_layers == 1
     model = dsv4_jax.load(str(out), mtp=True)
     from tokenizers import Tokenizer
@@ -82,7 +84,7 @@ def test_the_directory_is_a_checkpoint_that_generates_and_speculates(run):
 
 
 def test_a_run_resumes_where_it_stopped(run, tmp_path):
-    out, _, summary, _ = run
+    out, _, summary, _, _ = run
     import shutil
 
     copy = tmp_path / "resumed"
@@ -99,26 +101,47 @@ def test_a_run_resumes_where_it_stopped(run, tmp_path):
 
 def test_data_parallel_on_two_devices_computes_the_same_step(run):
     """One training step on a two-device mesh (batch split over the data axis, parameters placed
-    by the model's sharding rules) equals the one-device step: fp32, 1e-4 relative on the losses
-    and the updated weights (the reductions are split differently)."""
-    _, _, _, corpus = run
+    by the model's sharding rules) equals the one-device step from the same state: fp32, 1e-4
+    relative on the losses, the expert load exactly, and the updated weights (the reductions are
+    split differently). The one-device side is the run's own trainer (its program compiled)."""
+    one = run[4]
+    params, opt_state = jax.tree.map(jnp.copy, (one.params, one.opt_state))  # the programs donate their inputs
+    two = Trainer(dataclasses.replace(one.settings, devices=2), one.cfg, one.tok, one.corpus, params, one.frozen,
+                  opt_state, one.step, one.tokens, one.seconds)
+    assert one.mesh is None and two.mesh is not None
+    assert len(two.params["main"]["embed"].sharding.device_set) == 2
     results = []
-    for devices in (1, 2):
-        t = Trainer.start(TrainSettings(out=os.path.join(os.path.dirname(corpus), f"dp{devices}"), preset="tiny",
-                                        corpus=(corpus,), steps=1, indexer_warmup=0, devices=devices))
-        assert (t.mesh is None) == (devices == 1)
+    for t in (one, two):
         windows = t._windows(t.corpus.batch(0, 0, 4, 256))
-        params, _, parts = t._program("train", False)(t.params, t.frozen, t.opt_state, windows)
-        if devices == 2:
-            assert len(params["main"]["embed"].sharding.device_set) == 2
-        results.append((jax.tree.map(np.asarray, parts), np.asarray(params["main"]["layers"]["attn"]["wq_a"])))
+        state = jax.tree.map(jnp.copy, (t.params, t.opt_state))
+        params, _, parts, load = t._program("train", False)(state[0], t.frozen, state[1], windows)
+        results.append((jax.tree.map(np.asarray, parts), np.asarray(load), np.asarray(params["main"]["gate_bias"]),
+                        np.asarray(params["main"]["layers"]["attn"]["wq_a"])))
     for k in results[0][0]:
         np.testing.assert_allclose(results[1][0][k], results[0][0][k], rtol=1e-4)
-    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+    np.testing.assert_array_equal(results[1][2], results[0][2])
+    np.testing.assert_allclose(results[1][3], results[0][3], rtol=1e-4, atol=1e-6)
+
+
+def test_expert_balancing_moves_the_gate_biases_against_the_load(run):
+    """objective.balanced raises an underloaded expert's bias by the rate and lowers an overloaded
+    one's (hash-routed layers have no bias); in the run the biases moved by whole steps of it and
+    the summary reports each learned layer's max violation."""
+    _, _, summary, _, trainer = run
+    cfg = trainer.cfg  # layer 0 hash-routed, 1-3 learned; 4 experts
+    load = jnp.asarray([[9, 9, 9, 9], [8, 0, 2, 6], [4, 4, 4, 4], [0, 0, 0, 16]], jnp.int32)
+    np.testing.assert_allclose(objective.balanced(jnp.zeros((3, 4), jnp.float32), load, cfg, 0.5),
+                               [[-0.5, 0.5, 0.5, -0.5], [0, 0, 0, 0], [0.5, 0.5, 0.5, -0.5]])
+    np.testing.assert_allclose(objective.max_violation(load, cfg), [1.0, 0.0, 3.0])
+    moved = np.asarray(trainer.params["main"]["gate_bias"]) / trainer.settings.balance_rate
+    assert 0 < np.abs(moved).max() <= STEPS + 1e-3
+    np.testing.assert_allclose(moved, np.round(moved), atol=1e-3)  # each step moves a bias by -1, 0 or +1 rate
+    assert len(summary["eval_expert_max_violation"]) == 3 and min(summary["eval_expert_max_violation"]) >= 0
 
 
 def test_the_fine_tuning_example(run, tmp_path):
-    out, _, _, corpus = run
+    out, _, _, corpus, _ = run
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fine_tune.py"), str(out), "--text",
                            os.path.join(ROOT, "README.md"), "--out", str(tmp_path / "tuned"), "--steps", "4"],
                           capture_output=True, text=True, timeout=900)
@@ -220,7 +243,7 @@ def test_the_quality_report_on_the_trained_run(run, capsys):
     one line."""
     from dsv4_jax.tools import quality
 
-    out, _, summary, _ = run
+    out, _, summary, _, _ = run
     rc = quality.main([str(out), "--sections", "loss,index-cache", "--windows", "8", "--prompts", "2",
                        "--prompt-len", "64"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -229,7 +252,8 @@ def test_the_quality_report_on_the_trained_run(run, capsys):
     assert report["loss"]["loss"] < report["loss"]["unigram_loss"]
     assert report["loss"]["loss"] == pytest.approx(report["index_cache"]["off"]["loss"])
     reusing = report["index_cache"]["freq 2"]
-    assert reusing["reusing_layers"] == [3] and 0 <= reusing["overlap_per_reusing_layer"]["3"] <= 1
+    layer = reusing["per_reusing_layer"]["3"]
+    assert reusing["reusing_layers"] == [3] and 0 <= layer["overlap"] <= 1 and 0 <= layer["attention_js"] <= np.log(2)
     assert reusing["kl_next_token_vs_reference"] >= 0
     assert quality.main([str(out / "missing")]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -242,14 +242,58 @@ def indexer_select(scores: jnp.ndarray, p0: jnp.ndarray, pool_rows: int, cfg: Mo
     return select_topk(scores, visible_entries(row_positions(p0, B), T, CSA), min(cfg.index_topk, pool_rows))
 
 
-def selection_overlap(own: jnp.ndarray, reused: jnp.ndarray) -> jnp.ndarray:
-    """Mean over queries (with a non-empty own selection) of the fraction of `own` entry ids
-    `[B, T, K]` that `reused` `[B, T, K]` contains (-1: none)."""
-    hit = jnp.any((own[..., :, None] == reused[..., None, :]) & (reused[..., None, :] >= 0), axis=-1)
+def reuse_measures(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, rows: jnp.ndarray, own: jnp.ndarray,
+                   reused: jnp.ndarray, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """What IndexCache changes in a reusing ratio-4 layer (index-cache.md): the layer's attention
+    (`attend`: window, chosen compressed rows, sink) with its own top-k ids `own` `[B, T, K]`
+    against with the `reused` ids `[B, T, K]` (-1: none) of the compressed rows `[B, Nc, Dh]` in
+    entry order. Returns fp32 `[3]`, means over the queries with a non-empty own selection:
+
+    - overlap: the fraction of `own` that `reused` contains;
+    - js: the Jensen-Shannon divergence (nats, at most ln 2) between the two attention
+      distributions, mean over heads. KL itself is infinite wherever the selections differ (each
+      puts mass on entries the other gives none);
+    - dropped: the attention mass (mean over heads) that the layer with its own ids puts on
+      entries the reused ids lack.
+
+    The window and sink keys are the same in both, so their part of each distribution differs
+    only by its normaliser: it enters as one term on their total masses."""
+    B, T, H, _ = q.shape
+    f32 = jnp.float32
+    scale = cfg.head_dim ** -0.5
+    p0 = row_positions(p0, B)
+    qf = q.astype(f32)
+    lw, _ = _window_logits(q, ring, kv, p0, scale, cfg.sliding_window)
+    rest = jnp.logaddexp(jax.nn.logsumexp(lw, axis=-1), sink.astype(f32))  # [B, T, H] window and sink
+
+    def chosen(ids):  # the chosen rows' logits `[B, T, H, K]`, -inf where none
+        picked = jnp.take_along_axis(rows[:, None].astype(f32), jnp.clip(ids, 0)[..., None], axis=2)
+        return jnp.where((ids >= 0)[:, :, None, :], jnp.einsum("bthd,btkd->bthk", qf, picked) * scale, -jnp.inf)
+
+    la, lb = chosen(own), chosen(reused)
+    za = jnp.logaddexp(rest, jax.nn.logsumexp(la, axis=-1))[..., None]  # [B, T, H, 1]
+    zb = jnp.logaddexp(rest, jax.nn.logsumexp(lb, axis=-1))[..., None]
+    in_reused = jnp.any((own[..., :, None] == reused[..., None, :]) & (reused[..., None, :] >= 0), -1)  # [B, T, K]
+    in_own = jnp.any((reused[..., :, None] == own[..., None, :]) & (own[..., None, :] >= 0), -1)
+    pa = jnp.exp(la - za)  # own ids: 0 where none
+    pb_at_own = jnp.where(in_reused[:, :, None], jnp.exp(la - zb), 0.0)  # the reused attention on own ids
+    pb_only = jnp.where(in_own[:, :, None], 0.0, jnp.exp(lb - zb))  # on reused ids the own lack
+
+    def js(p, r):  # each key's term of JS(p, r): (p log p + r log r - (p + r) log((p + r) / 2)) / 2
+        return 0.5 * (jax.scipy.special.xlogy(p, p) + jax.scipy.special.xlogy(r, r)
+                      - jax.scipy.special.xlogy(p + r, (p + r) / 2))
+
+    divergence = (js(jnp.exp(rest - za[..., 0]), jnp.exp(rest - zb[..., 0])) + jnp.sum(js(pa, pb_at_own), -1)
+                  + jnp.sum(js(jnp.zeros_like(pb_only), pb_only), -1))  # [B, T, H]
+    dropped = jnp.sum(jnp.where(in_reused[:, :, None], 0.0, pa), -1)
     n_own = jnp.sum(own >= 0, axis=-1)
-    frac = jnp.sum(hit & (own >= 0), axis=-1) / jnp.maximum(n_own, 1)
+    overlap = jnp.sum(in_reused & (own >= 0), axis=-1) / jnp.maximum(n_own, 1)
     has = n_own > 0
-    return jnp.sum(jnp.where(has, frac, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+    def mean(v):  # over the queries with an own selection
+        return jnp.sum(jnp.where(has, v, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+    return jnp.stack([mean(overlap), mean(jnp.mean(divergence, -1)), mean(jnp.mean(dropped, -1))]).astype(f32)
 
 
 def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
@@ -290,13 +334,14 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
 
 
-def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale, W):
-    """`attend` for T > 1 in plain XLA, fp32, window W. Row b's window keys, in position order, are
-    seq = [ring by position (p0[b] - W ..) | chunk], row m at position p0[b] - W + m; the query at
-    chunk row i is seq row W + i and sees seq rows i + 1 .. i + W. Queries go in blocks of
-    Bq = min(T, W): block n sees the Bq + W rows from seq row n * Bq, one matmul per block."""
+def _window_logits(q, ring, kv, p0, scale, W):
+    """The window part of `_window_blocked`, fp32: each query's logits over its block's keys
+    `[B, T, H, Bq + W]` (-inf where not in its window) and the blocks of keys `[B, nb, Bq + W, D]`.
+    Row b's window keys, in position order, are seq = [ring by position (p0[b] - W ..) | chunk],
+    row m at position p0[b] - W + m; the query at chunk row i is seq row W + i and sees seq rows
+    i + 1 .. i + W. Queries go in blocks of Bq = min(T, W): block n sees the Bq + W rows from seq
+    row n * Bq, one matmul per block."""
     B, T, H, D = q.shape
-    p0 = row_positions(p0, B)
     bq = min(T, W)
     nb = -(-T // bq)
     tp = nb * bq
@@ -314,6 +359,18 @@ def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale, W):
     qf = jnp.pad(q.astype(f32), ((0, 0), (0, tp - T), (0, 0), (0, 0))).reshape(B, nb, bq, H, D)
     lw = jnp.einsum("bnqhd,bnkd->bnqhk", qf, blocks) * scale
     lw = jnp.where(visible[:, :, :, None, :], lw, -jnp.inf).reshape(B, tp, H, k1)[:, :T]
+    return lw, blocks
+
+
+def _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, scale, W):
+    """`attend` for T > 1 in plain XLA, fp32, window W (`_window_logits`)."""
+    B, T, H, D = q.shape
+    p0 = row_positions(p0, B)
+    lw, blocks = _window_logits(q, ring, kv, p0, scale, W)
+    nb, k1 = blocks.shape[1:3]
+    bq = k1 - W
+    tp = nb * bq
+    f32 = jnp.float32
     sink = sink.astype(f32)
     m_all = jnp.maximum(jnp.max(lw, axis=-1), sink)  # [B, T, H]
     if comp_rows is not None:

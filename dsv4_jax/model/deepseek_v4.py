@@ -72,9 +72,9 @@ class LayerSchedule:
 
 
 def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, route_local,
-         cfg: ModelConfig) -> jnp.ndarray:
+         cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
     """MoE of a layer (its weights: `layer`, from `take_layer`) on x `[B, S, D]` (already ffn-normed);
-    ids `[B, S]` for hash routing."""
+    ids `[B, S]` for hash routing. Returns (its output `[B, S, D]`, the chosen experts `[B S, k]`)."""
     B, S, D = x.shape
     f = layer["ffn"]
     xt = x.reshape(B * S, D)
@@ -97,7 +97,7 @@ def _moe(params: dict, layer: dict, x: jnp.ndarray, ids: jnp.ndarray, is_hash, r
         routed = routed_experts(xt, experts, weights, *routed_weights, cfg.swiglu_limit,
                                 fp8_activations=cfg.fp8_activations, impl=cfg.attention_impl)
     shared = shared_expert(xt, f["shared_w1"], f["shared_w2"], f["shared_w3"], cfg.swiglu_limit, cfg)
-    return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D)
+    return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(B, S, D), experts
 
 
 class _Chunk(NamedTuple):
@@ -136,6 +136,7 @@ class _Step:
     cache_shapes: dict  # group -> {name: ShapeDtypeStruct}, the stacks this step updates
     measure_reuse: bool
     indexer_kl: bool
+    expert_load: bool
 
     def payloads(self, own: dict) -> tuple:
         """Every cache group's payload, in `cache_shapes` order: the branch's own, zeros (nothing
@@ -158,8 +159,9 @@ class _Step:
         return out
 
 
-# A layer's (reuse overlap, indexer KL), NaN where it has none (`step`'s measure_reuse, indexer_kl).
-_NO_AUX = np.full((2,), np.nan, np.float32)
+# A layer's (reuse overlap, attention JS, dropped mass, indexer KL), NaN where it has none
+# (`step`'s measure_reuse, indexer_kl).
+_NO_AUX = np.full((4,), np.nan, np.float32)
 
 
 def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
@@ -216,7 +218,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
     out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
                    "state_z": sz}}
-    overlap = kl = jnp.float32(jnp.nan)
+    measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
     # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
     # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
     x, c_q = jax.lax.stop_gradient(lay.x), jax.lax.stop_gradient(lay.c_q)
@@ -241,7 +243,11 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
             payload, key_pool = indexer_keys()
             if ctx.measure_reuse:
-                overlap = attention.selection_overlap(own_choice(payload["entries"], key_pool)[1], ids)
+                rows = attention.in_entry_order(_loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype),
+                                                entries, ch.p0 // CSA)
+                measures = attention.reuse_measures(lay.q, c["ring"], lay.kv, rows,
+                                                    own_choice(payload["entries"], key_pool)[1], ids, lay.sink,
+                                                    ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
@@ -262,7 +268,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         if ctx.indexer_kl and not reuse:
             kl = distillation_kl(lay.q, comp_rows, scores, ids, cfg.head_dim ** -0.5)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    return o, ids, ctx.payloads(out), jnp.stack([overlap, kl])
+    return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
 
 
 def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
@@ -350,8 +356,14 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
-    h = hc_post(_moe(params, layer, x, input_ids, is_hash, route_local, cfg), h, post, comb, cfg)
-    return (h, new, last_ids), aux
+    f, experts = _moe(params, layer, x, input_ids, is_hash, route_local, cfg)
+    h = hc_post(f, h, post, comb, cfg)
+    load = jnp.zeros((0,), jnp.int32)
+    if ctx.expert_load:  # the real tokens' choices per expert
+        real = jnp.arange(x.shape[1])[None, :] < ctx.chunk.n_valid[:, None]  # [B, S]
+        load = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[experts.reshape(-1)].add(
+            jnp.repeat(real.reshape(-1), experts.shape[1]).astype(jnp.int32))
+    return (h, new, last_ids), (aux, load)
 
 
 def _rows_valid(n_valid, B: int, T: int) -> jnp.ndarray:
@@ -373,27 +385,28 @@ def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
                n_valid: jnp.ndarray | None = None, measure_reuse: bool = False, rows_in_place: bool = True,
-               indexer_kl: bool = False):
+               indexer_kl: bool = False, expert_load: bool = False):
     """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
     streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
     `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
-    `[B, T, hc, D]`, the cache with the chunk added, per layer (reuse overlap, indexer KL) `[L, 2]`
-    as `step`'s measure_reuse and indexer_kl). The MTP block (dsv4_jax/model/mtp.py) runs its one
-    layer through here too, as the stack of a one-layer model."""
+    `[B, T, hc, D]`, the cache with the chunk added, per layer (reuse overlap, attention JS, dropped
+    mass, indexer KL) `[L, 4]` as `step`'s measure_reuse and indexer_kl, and with expert_load each
+    layer's choices per expert int32 `[L, E]` (else `[L, 0]`)). The MTP block
+    (dsv4_jax/model/mtp.py) runs its one layer through here too, as the stack of a one-layer model."""
     B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
     cache = sharding.constrain_cache(cfg, cache)
     stacks = {g: cache[g] for g in ("window", "csa", "indexer", "hca") if g in cache}
     chunk = _chunk(cache, B, T, n_valid, cfg, rows_in_place)
     ctx = _Step(params, cfg, chunk, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacks),
-                measure_reuse, indexer_kl)
+                measure_reuse, indexer_kl, expert_load)
     xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(sched.branch), jnp.asarray(sched.kind_local),
           jnp.asarray(sched.index_local), jnp.asarray(sched.compressed_rope), jnp.asarray(sched.is_hash),
           jnp.asarray(sched.route_local))
     k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    (h, stacks, _), aux = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
-    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, aux
+    (h, stacks, _), (aux, load) = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, aux, load
 
 
 def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,
@@ -407,19 +420,29 @@ def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp
     return dense(y.astype(jnp.float32), head.astype(jnp.float32))
 
 
+class ReuseMeasures(NamedTuple):
+    """Per layer `[L]`, what IndexCache's reuse changes in it (`attention.reuse_measures`; NaN for
+    layers that do not reuse)."""
+
+    overlap: jnp.ndarray  # the fraction of its own top-k that the reused ids contain
+    attention_js: jnp.ndarray  # Jensen-Shannon divergence of its attention, own ids against reused (nats)
+    dropped_mass: jnp.ndarray  # its own-id attention's mass on entries the reused ids lack
+
+
 class StepOutput(NamedTuple):
     """What `step` gives for a chunk."""
 
     logits: jnp.ndarray  # fp32 [B, T, V], or [B, 1, V] at each row's last real token with last_only
     cache: dict  # the cache with the chunk added
     hidden: jnp.ndarray | None = None  # with return_hidden: the final streams [B, T, hc, D] before the hc head
-    reuse_overlap: jnp.ndarray | None = None  # with measure_reuse: [L], per layer (NaN: not reusing)
+    reuse: ReuseMeasures | None = None  # with measure_reuse
     indexer_kl: jnp.ndarray | None = None  # with indexer_kl: [L], per layer (NaN: no indexer of its own)
+    expert_load: jnp.ndarray | None = None  # with expert_load: int32 [L, E], each layer's choices per expert
 
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
          measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False,
-         rows_in_place: bool = True, indexer_kl: bool = False) -> StepOutput:
+         rows_in_place: bool = True, indexer_kl: bool = False, expert_load: bool = False) -> StepOutput:
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
@@ -429,9 +452,9 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     fp32 logits `[B, T, V]`, or `[B, 1, V]` at each row's last real token with last_only, and the
     cache with the chunk added. Prefill (any T, chunks of any size) and decode (T = 1) are the same
     computation; the caller keeps pos + n_valid <= max_len. With measure_reuse, IndexCache's
-    reusing layers also compute their own top-k (not used) and `reuse_overlap` `[L]` gives, per
-    layer, the mean fraction of its own selection that the reused one contains (NaN for layers
-    that do not reuse). With return_hidden (static, like last_only) `hidden` holds the final
+    reusing layers also compute their own top-k (not used) and `reuse` (ReuseMeasures) says per
+    layer how the reused selection differs from it: overlap, and what it changes in the layer's
+    attention (NaN for layers that do not reuse). With return_hidden (static, like last_only) `hidden` holds the final
     hidden streams `[B, T, hc, D]` before the hyper-connection head at every position of the
     chunk (also with last_only): what the MTP block (dsv4_jax/model/mtp.py) takes as `hidden`.
     rows_in_place (static): the rows are the cache's own, in order, so on a mesh each device's rows
@@ -439,20 +462,23 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     for a sub-batch of rows taken out of a larger cache (cache.take_rows), whose rows sit elsewhere.
     With indexer_kl (static; chunks of T > 1), `indexer_kl` `[L]` gives each ratio-4 layer that
     chooses its own entries the indexer's training loss on the chunk (`indexer.distillation_kl`).
+    With expert_load (static), `expert_load` `[L, E]` counts, per layer, the (token, expert)
+    choices of the real tokens: what auxiliary-loss-free balancing steers by (training/trainer.py).
     """
     B, T = input_ids.shape
     x = params["embed"][input_ids]
     h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
                            (sharding.BATCH, None, None, None))
-    hidden, new_cache, aux = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse, rows_in_place,
-                                        indexer_kl)
+    hidden, new_cache, aux, load = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse,
+                                              rows_in_place, indexer_kl, expert_load)
     h = hidden
     if last_only:
         last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
     logits = lm_logits(h, params["hc_head"], params["norm"], params["head"], cfg)
-    return StepOutput(logits, new_cache, hidden if return_hidden else None, aux[:, 0] if measure_reuse else None,
-                      aux[:, 1] if indexer_kl else None)
+    return StepOutput(logits, new_cache, hidden if return_hidden else None,
+                      ReuseMeasures(aux[:, 0], aux[:, 1], aux[:, 2]) if measure_reuse else None,
+                      aux[:, 3] if indexer_kl else None, load if expert_load else None)
 
 
 def forward(params: dict, input_ids: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:

@@ -130,6 +130,6 @@ def mtp_step(mtp_params: dict, embed: jnp.ndarray, head: jnp.ndarray, mtp_cache:
     e = rms_norm(embed[next_ids], mtp_params["enorm"], eps)
     h = rms_norm(hidden, mtp_params["hnorm"], eps)
     x = dense(e, mtp_params["e_proj"], cfg)[:, :, None, :] + dense(h, mtp_params["h_proj"], cfg)
-    streams, new_cache, _ = run_layers(layer_params(mtp_params), mtp_cache, x, next_ids, block_config(cfg), n_valid)
+    streams, new_cache, _, _ = run_layers(layer_params(mtp_params), mtp_cache, x, next_ids, block_config(cfg), n_valid)
     logits = lm_logits(streams, mtp_params["hc_head"], mtp_params["norm"], head, cfg)
     return logits, streams, new_cache

@@ -5,8 +5,11 @@
 
 Prints one JSON object:
 * the schedule (ratio-4 layers, computing and reusing ids);
-* per reusing layer, the overlap: the mean fraction of the layer's own top-k (computed on the
-  same hidden states, not used) that the reused selection contains, over every prompt token;
+* per reusing layer, against the layer's own top-k (computed on the same hidden states, not
+  used), means over every prompt token (`dsv4_jax.model.deepseek_v4.ReuseMeasures`): the overlap
+  (the fraction of its own top-k that the reused selection contains), the Jensen-Shannon
+  divergence of its attention with its own ids against the reused ones, and the mass its own-id
+  attention puts on entries the reused ids lack (`dropped_mass`);
 * KL(off || on) of the next-token distributions at every prompt position (teacher-forced on the
   same tokens): mean and max;
 * greedy agreement over the generated tokens: the fraction of equal tokens and each prompt's
@@ -14,7 +17,7 @@ Prints one JSON object:
 * prefill and decode time, off and on, measured in this run (compile excluded, median of 3);
 * `indexer_choice`: how many prompt and generated positions see more ratio-4 entries than
   index_topk. At the others every layer selects every visible entry, reuse changes nothing, and
-  the figures say nothing: when no prompt position chooses, the overlap and the KL are null (and
+  the figures say nothing: when no prompt position chooses, the per-layer measures and the KL are null (and
   the greedy agreement too when no generated position chooses either), with a warning on stderr.
 
 --prompts FILE: a JSON list of token-id lists of one length; without it, random tokens (seed 0).
@@ -80,11 +83,10 @@ def report(model: DeepseekV4, prompts: list[list[int]], new_tokens: int, **on_op
 
     logits_off = prefill(off_cfg).logits
     on = prefill(on_cfg, True)
-    logits_on, overlap = on.logits, on.reuse_overlap
+    logits_on, reuse = on.logits, jax.tree.map(np.asarray, on.reuse)
     lp_off = jax.nn.log_softmax(logits_off, axis=-1)
     lp_on = jax.nn.log_softmax(logits_on, axis=-1)
     kl = np.asarray(jnp.sum(jnp.exp(lp_off) * (lp_off - lp_on), axis=-1))  # [B, S]
-    overlap = np.asarray(overlap)
 
     gen_off = generate(model, prompts, new_tokens, use_index_cache=False)
     gen_on = generate(model, prompts, new_tokens, **dict(on_options, use_index_cache=True))
@@ -113,8 +115,12 @@ def report(model: DeepseekV4, prompts: list[list[int]], new_tokens: int, **on_op
                            "meaningful": in_prompt > 0,
                            "note": "positions that see more ratio-4 entries than index_topk; at the others every "
                                    "layer selects all of them, so reuse cannot change anything there"},
-        "overlap_per_reusing_layer": {str(i): round(float(overlap[i]), 4) if in_prompt else None
-                                      for i in sched.reusing},
+        "per_reusing_layer": {str(i): {name: round(float(v[i]), 4) if in_prompt else None
+                                       for name, v in reuse._asdict().items()} for i in sched.reusing},
+        "per_reusing_layer_note": "overlap: fraction of the layer's own top-k that the reused ids contain; "
+                                  "attention_js: Jensen-Shannon divergence (nats) of its attention with its own "
+                                  "ids against the reused ones; dropped_mass: its own-id attention's mass on "
+                                  "entries the reused ids lack (model.deepseek_v4.ReuseMeasures)",
         "kl_next_token": {"mean": float(kl.mean()) if in_prompt else None,
                           "max": float(kl.max()) if in_prompt else None,
                           "note": "KL(off || on) in nats, teacher-forced at every prompt position"},

@@ -11,7 +11,9 @@ windows of the run's seq_len + 1 tokens, prompts are held-out spans of --prompt-
   tokens under the training text's token frequencies, add-one smoothed).
 * index-cache: the held-out loss with IndexCache off, freq 2, freq 4 and the pattern that reuses
   on the last ratio-4 layer only; per setting, the mean next-token KL(off || on) over the windows
-  and, per reusing layer, the overlap of its own top-k with the reused one.
+  and, per reusing layer, the overlap of its own top-k with the reused one, the Jensen-Shannon
+  divergence of its attention with its own top-k against with the reused one, and the attention
+  mass it would have put on entries the reused ids lack (`dsv4_jax.model.deepseek_v4.ReuseMeasures`).
 * mtp: greedy speculative decoding with the MTP block, k = 1, 2, 3, on the prompts one at a time:
   acceptance per draft position, acceptance length (tokens per main-model step), tokens/s against
   plain greedy decoding (timed after a warm-up call), and whether the tokens equal plain greedy's.
@@ -41,14 +43,15 @@ SECTIONS = ("loss", "index-cache", "mtp", "precision")
 
 @partial(jax.jit, static_argnums=(2, 3, 4))
 def _window_logits(params, windows, cfg, kv_cache_dtype: str, measure_reuse: bool):
-    """fp32 logits `[B, S, V]` of windows[:, :-1] from a fresh cache, and the reuse overlaps."""
+    """fp32 logits `[B, S, V]` of windows[:, :-1] from a fresh cache, and the ReuseMeasures (None
+    without measure_reuse)."""
     B, S1 = windows.shape
     from dsv4_jax.model.cache import init_cache
     from dsv4_jax.model.deepseek_v4 import step
 
     cache = init_cache(cfg, B, S1 - 1, params["embed"].dtype, kv_cache_dtype=kv_cache_dtype)
     out = step(params, cache, windows[:, :-1], cfg, measure_reuse=measure_reuse)
-    return out.logits, out.reuse_overlap
+    return out.logits, out.reuse
 
 
 def _log_probs(logits, windows):
@@ -73,24 +76,25 @@ class Measure:
         model = model or self.model
         cfg = with_options(model.config, **options)
         measure = bool(options.get("use_index_cache"))
-        losses, kls, overlaps, lps = [], [], [], []
+        losses, kls, reuses, lps = [], [], [], []
         for i, w in enumerate(self.windows):
             w = jnp.asarray(w)
-            logits, overlap = _window_logits(model.params, w, cfg, kv_cache_dtype, measure)
+            logits, reuse = _window_logits(model.params, w, cfg, kv_cache_dtype, measure)
             lp, ce = _log_probs(logits, w)
             losses.append(float(ce))
             lps.append(lp)
             if reference is not None:
                 kls.append(float(jnp.mean(jnp.sum(jnp.exp(reference[i]) * (reference[i] - lp), axis=-1))))
             if measure:
-                overlaps.append(np.asarray(overlap))
+                reuses.append(reuse)
         out = {"loss": float(np.mean(losses)), "perplexity": float(np.exp(np.mean(losses)))}
         if reference is not None:
             out["kl_next_token_vs_reference"] = float(np.mean(kls))
-        if measure:
-            mean = np.mean(np.stack(overlaps), axis=0)  # NaN on the layers that do not reuse
-            out["overlap_per_reusing_layer"] = {str(i): round(float(v), 4) for i, v in enumerate(mean)
-                                                if np.isfinite(v)}
+        if measure:  # each measure's mean over the batches, per reusing layer (NaN on the others)
+            means = {name: np.mean(np.stack([np.asarray(r[j]) for r in reuses]), axis=0)
+                     for j, name in enumerate(reuses[0]._fields)}
+            out["per_reusing_layer"] = {str(i): {name: round(float(v[i]), 4) for name, v in means.items()}
+                                        for i in np.flatnonzero(np.isfinite(means["overlap"]))}
         return out, lps
 
     def index_cache(self, reference_lps) -> dict:
@@ -185,7 +189,7 @@ def held_out(ckpt: str, corpus: list[str] | None, windows: int, prompts: int, pr
     corpus = corpus or trained.get("corpus") or data.default_corpus()
     seq_len = int(trained.get("seq_len", 512))
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
-    c = data.build_corpus(list(corpus), tok, trained.get("max_corpus_bytes"), seq_len, 4)
+    c = data.build_corpus(data.read_corpus(list(corpus), trained.get("max_corpus_bytes")), tok, seq_len, 4)
     batches = c.eval_batches(4, seq_len, windows)
     if len(c.held_out) < prompts * prompt_len * 2:
         raise ValueError(f"the held-out text ({len(c.held_out)} tokens) is too short for {prompts} prompts of "

@@ -61,12 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--save-every", type=int, default=0, help="also save every N steps (default: at the end)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, help="data parallel over the first N devices (default: all)")
+    ap.add_argument("--balance-rate", type=float, help="the gate biases' step against expert load after every "
+                    "step (auxiliary-loss-free balancing; default 0.001, 0: off)")
     ap.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     try:
         args = ap.parse_args(argv)
         if args.resume:
             given = [f for f in ("corpus", "config", "batch_size", "seq_len", "lr", "max_corpus_bytes",
-                                 "indexer_warmup", "devices") if getattr(args, f) is not None]
+                                 "indexer_warmup", "devices", "balance_rate") if getattr(args, f) is not None]
             if given:
                 raise UsageError(f"--resume continues the run as it was saved; it takes --steps only, not "
                                  f"{', '.join('--' + g.replace('_', '-') for g in given)}")
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
                 out=args.out, preset=args.preset, corpus=tuple(args.corpus or ()), steps=args.steps,
                 batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, max_corpus_bytes=args.max_corpus_bytes,
                 indexer_warmup=args.indexer_warmup, save_every=args.save_every, seed=args.seed, devices=args.devices,
-                config=config))
+                config=config, **({} if args.balance_rate is None else {"balance_rate": args.balance_rate})))
         summary = run.train(_Progress())
     except (UsageError, TrainError, DataError, OSError) as e:
         print(f"dsv4-train: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from typing import NamedTuple
 
 import numpy as np
 
@@ -143,22 +144,39 @@ class Corpus:
         return float(-np.mean(logp[self.held_out[1:]]))
 
 
-def build_corpus(paths: list[str], tok, max_bytes: int | None, seq_len: int, rows: int) -> Corpus:
-    """Reads and tokenizes the corpus, split into training and held-out files; raises DataError
-    when either part cannot fill one batch of `rows` windows of seq_len + 1 tokens."""
+class Texts(NamedTuple):
+    """A corpus read and split into training and held-out files (`read_corpus`)."""
+
+    train: list[str]
+    held_out: list[str]
+    train_files: int
+    held_out_files: int
+
+
+def read_corpus(paths: list[str], max_bytes: int | None) -> Texts:
+    """The texts of the corpus's files, split by `held_out` (a corpus of a few files, none of
+    them held out by the hash: the last one); max_bytes caps the training text, a twentieth of
+    it the held-out text."""
     files = corpus_files(paths)
     train_files = [f for f in files if not held_out(f)]
     eval_files = [f for f in files if held_out(f)]
-    if not eval_files:  # a corpus of a few files: the last one is held out
+    if not eval_files:
         train_files, eval_files = files[:-1], files[-1:]
-    train = token_stream(tok, read_texts(train_files, max_bytes))
-    evals = token_stream(tok, read_texts(eval_files, None if max_bytes is None else max(max_bytes // HELD_OUT, 1)))
+    return Texts(read_texts(train_files, max_bytes),
+                 read_texts(eval_files, None if max_bytes is None else max(max_bytes // HELD_OUT, 1)),
+                 len(train_files), len(eval_files))
+
+
+def build_corpus(texts: Texts, tok, seq_len: int, rows: int) -> Corpus:
+    """Tokenizes the corpus's texts; raises DataError when either part cannot fill one batch of
+    `rows` windows of seq_len + 1 tokens."""
+    train, evals = token_stream(tok, texts.train), token_stream(tok, texts.held_out)
     need = rows * (seq_len + 1)
     for name, stream in (("training", train), ("held-out", evals)):
         if len(stream) < need:
             raise DataError(f"the corpus is too small: its {name} part has {len(stream)} tokens, one batch needs "
                             f"{need} ({rows} rows of {seq_len + 1}); give more text")
-    return Corpus(train, evals, len(train_files), len(eval_files))
+    return Corpus(train, evals, texts.train_files, texts.held_out_files)
 
 
 def save_tokenizer(tok, directory: str, model_max_length: int) -> None:

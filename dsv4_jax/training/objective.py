@@ -12,12 +12,17 @@
 
 `params` is the trainable tree {"main": the model's parameter tree without tid2eid, "mtp": the
 MTP block's (absent without one)}; `frozen` holds tid2eid (hash routing is a fixed table).
+
+Expert balance is not a loss: the gate biases only select experts (their gradient is zero), and
+`balanced` moves them against each expert's load after every step, DeepSeek-V3's auxiliary-loss-
+free balancing (§2.1.2; bias update speed gamma = 0.001).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv4_jax.model.cache import init_cache
 from dsv4_jax.model.config import ModelConfig
@@ -31,16 +36,16 @@ def cross_entropy(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def losses(params: dict, frozen: dict, windows: jnp.ndarray, cfg: ModelConfig) -> dict:
+def losses(params: dict, frozen: dict, windows: jnp.ndarray, cfg: ModelConfig) -> tuple[dict, jnp.ndarray]:
     """The losses of windows int32 `[B, S + 1]` (inputs the first S tokens, targets the last S):
-    {"lm": main cross-entropy, "mtp": the MTP block's (0 without one), "indexer": mean indexer KL
-    over the layers that choose (0 without any)}, fp32 scalars. cfg runs with attention_impl "ref"
-    (the kernels have no reverse mode)."""
+    ({"lm": main cross-entropy, "mtp": the MTP block's (0 without one), "indexer": mean indexer KL
+    over the layers that choose (0 without any)}, fp32 scalars; the main model's choices per
+    expert int32 `[L, E]`). cfg runs with attention_impl "ref" (the kernels have no reverse mode)."""
     B, S1 = windows.shape
     inputs, targets = windows[:, :-1], windows[:, 1:]
     main = {**params["main"], **frozen}
     out = step(main, init_cache(cfg, B, S1 - 1, main["embed"].dtype), inputs, cfg, return_hidden=True,
-               indexer_kl=True)
+               indexer_kl=True, expert_load=True)
     kl = out.indexer_kl
     chose = ~jnp.isnan(kl)
     result = {"lm": cross_entropy(out.logits, targets),
@@ -51,9 +56,24 @@ def losses(params: dict, frozen: dict, windows: jnp.ndarray, cfg: ModelConfig) -
         mtp_logits, _, _ = mtp_step(params["mtp"], main["embed"], main["head"], mtp_cache, out.hidden[:, :-1],
                                     targets[:, :-1], cfg)
         result["mtp"] = cross_entropy(mtp_logits, targets[:, 1:])
-    return result
+    return result, out.expert_load
 
 
 def total(parts: dict, mtp_weight: float) -> jnp.ndarray:
     """The loss the optimizer lowers: lm + mtp_weight * mtp + indexer."""
     return parts["lm"] + mtp_weight * parts["mtp"] + parts["indexer"]
+
+
+def balanced(gate_bias: jnp.ndarray, load: jnp.ndarray, cfg: ModelConfig, rate: float) -> jnp.ndarray:
+    """The learned-routing layers' gate biases `[L_learned, E]` after one step of auxiliary-loss-free
+    balancing: each expert's bias raised by `rate` when it took fewer than its layer's mean
+    choices in `load` (`[L, E]`, every layer's), lowered by `rate` when it took more."""
+    learned = load[~np.asarray(cfg.hash_layers, bool)].astype(jnp.float32)  # gate_bias's rows, in order
+    return gate_bias + rate * jnp.sign(jnp.mean(learned, axis=-1, keepdims=True) - learned).astype(gate_bias.dtype)
+
+
+def max_violation(load: jnp.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Per learned-routing layer, how far its busiest expert is over an even share: max load /
+    mean load - 1 (0: perfectly even), from choices per expert `[L, E]`."""
+    learned = np.asarray(load)[~np.asarray(cfg.hash_layers, bool)].astype(np.float64)
+    return learned.max(-1) / np.maximum(learned.mean(-1), 1e-9) - 1

@@ -6,7 +6,8 @@
 The optimizer is AdamW (weight decay on matrices only) after global-norm clipping, its learning
 rate a linear warm-up then a cosine decay to a tenth. The loss is objective.total: the main
 cross-entropy, the MTP block's (weight 0.3) and the indexer's KL, the indexer dense for its first
-`indexer_warmup` steps, sparse (the config's index_topk) after.
+`indexer_warmup` steps, sparse (the config's index_topk) after. After every step the main model's
+gate biases move against their experts' load by `balance_rate` (objective.balanced).
 
 OUT, the run's directory, is a checkpoint in the converter's format at every save, loadable by
 `dsv4_jax.load` and servable by `dsv4-serve` as it is:
@@ -88,6 +89,7 @@ class TrainSettings:
     save_every: int = 0  # 0: at the end only
     seed: int = 0
     devices: int | None = None  # data parallel over the first N devices; None: all of them
+    balance_rate: float = 1e-3  # the gate biases' step against expert load (DeepSeek-V3's gamma); 0: off
     config: dict | None = None  # an HF config.json's dict instead of the preset's model
 
     def resolved(self) -> "TrainSettings":
@@ -100,7 +102,7 @@ class TrainSettings:
             out, warmup_steps=max(1, steps // 20) if out.warmup_steps is None else out.warmup_steps,
             indexer_warmup=steps // 10 if out.indexer_warmup is None else out.indexer_warmup,
             corpus=tuple(out.corpus) or tuple(data.default_corpus()))
-        positive = ("steps", "batch_size", "seq_len", "eval_windows") + (("devices",) if out.devices is not None else ())
+        positive = ("steps", "batch_size", "seq_len", "eval_windows") + ("devices",) * (out.devices is not None)
         for name in positive:
             if getattr(out, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(out, name)}")
@@ -108,6 +110,8 @@ class TrainSettings:
             raise TrainError(f"--lr must be > 0, got {out.lr}")
         if out.save_every < 0:
             raise TrainError(f"--save-every must be >= 0, got {out.save_every}")
+        if not out.balance_rate >= 0:
+            raise TrainError(f"--balance-rate must be >= 0, got {out.balance_rate}")
         return out
 
     def model_config(self) -> ModelConfig:
@@ -196,10 +200,9 @@ class Trainer:
         cfg = s.model_config()
         created = _claim_out(s.out)
         try:
-            files = data.corpus_files(list(s.corpus))
-            texts = data.read_texts([f for f in files if not data.held_out(f)] or files, s.max_corpus_bytes)
-            tok = data.train_tokenizer(texts, cfg.vocab_size)
-            corpus = data.build_corpus(list(s.corpus), tok, s.max_corpus_bytes, s.seq_len, s.batch_size)
+            texts = data.read_corpus(list(s.corpus), s.max_corpus_bytes)
+            tok = data.train_tokenizer(texts.train, cfg.vocab_size)
+            corpus = data.build_corpus(texts, tok, s.seq_len, s.batch_size)
             params, frozen = init_model(cfg, s.seed)
             opt_state = optimizer(s.lr, s.steps, s.warmup_steps).init(params)
             data.save_tokenizer(tok, s.out, cfg.max_position_embeddings)
@@ -225,11 +228,15 @@ class Trainer:
         s = s.resolved()
         cfg = s.model_config()
         tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
-        corpus = data.build_corpus(list(s.corpus), tok, s.max_corpus_bytes, s.seq_len, s.batch_size)
-        params, frozen = init_model(cfg, s.seed)
-        opt_state = optimizer(s.lr, s.steps, s.warmup_steps).init(params)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "frozen": frozen,
-                                                                  "opt_state": opt_state})
+        corpus = data.build_corpus(data.read_corpus(list(s.corpus), s.max_corpus_bytes), tok, s.seq_len,
+                                   s.batch_size)
+
+        def fresh():  # what the checkpoint holds, by shape only
+            params, frozen = init_model(cfg, s.seed)
+            opt_state = optimizer(s.lr, s.steps, s.warmup_steps).init(params)
+            return {"params": params, "frozen": frozen, "opt_state": opt_state}
+
+        abstract = jax.eval_shape(fresh)
         state = manager.restore(last, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         return cls(s, cfg, tok, corpus, state["params"], state["frozen"], state["opt_state"], int(last),
                    int(meta["tokens"]), float(meta["seconds"]))
@@ -256,24 +263,34 @@ class Trainer:
         return jax.device_put(windows, jax.sharding.NamedSharding(self.mesh, spec))
 
     def _program(self, name: str, dense: bool):
+        """The jitted "train" step (params, frozen, opt_state, windows) -> (params, opt_state,
+        losses, expert load) or "eval" (params, frozen, windows) -> (losses, expert load), with
+        the indexer dense or sparse."""
         key = (name, dense)
         if key not in self._programs:
-            cfg, opt = _sparse(self.cfg, self.settings.seq_len, dense), self.opt
+            cfg, opt, rate = _sparse(self.cfg, self.settings.seq_len, dense), self.opt, self.settings.balance_rate
 
             def train_step(params, frozen, opt_state, windows):
                 def loss(p):
-                    parts = objective.losses(p, frozen, windows, cfg)
-                    return objective.total(parts, MTP_WEIGHT), parts
+                    parts, load = objective.losses(p, frozen, windows, cfg)
+                    return objective.total(parts, MTP_WEIGHT), (parts, load)
 
-                (_, parts), grads = jax.value_and_grad(loss, has_aux=True)(params)
+                (_, (parts, load)), grads = jax.value_and_grad(loss, has_aux=True)(params)
                 updates, opt_state = opt.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, parts
+                params = optax.apply_updates(params, updates)
+                if rate and "gate_bias" in params["main"]:
+                    main = {**params["main"], "gate_bias": objective.balanced(params["main"]["gate_bias"], load, cfg,
+                                                                              rate)}
+                    params = {**params, "main": main}
+                return params, opt_state, parts, load
 
             def evaluate(params, frozen, windows):
                 return objective.losses(params, frozen, windows, cfg)
 
-            fn = {"train": jax.jit(train_step, donate_argnums=(0, 2)), "eval": jax.jit(evaluate)}[name]
-            self._programs[key] = fn
+            if name == "train":
+                self._programs[key] = jax.jit(train_step, donate_argnums=(0, 2))
+            else:
+                self._programs[key] = jax.jit(evaluate)
         return self._programs[key]
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -289,7 +306,7 @@ class Trainer:
         while self.step < s.steps:
             windows = self._windows(self.corpus.batch(s.seed, self.step, s.batch_size, s.seq_len))
             t = time.perf_counter()
-            self.params, self.opt_state, parts = self._program("train", self.step < s.indexer_warmup)(
+            self.params, self.opt_state, parts, _ = self._program("train", self.step < s.indexer_warmup)(
                 self.params, self.frozen, self.opt_state, windows)
             parts = {k: float(v) for k, v in parts.items()}
             dt = time.perf_counter() - t
@@ -312,21 +329,29 @@ class Trainer:
         return {"preset": s.preset, "steps": self.step, "train_loss": mean.get("lm"), "eval_loss": held["lm"],
                 "eval_perplexity": float(np.exp(held["lm"])), "unigram_loss": unigram,
                 "unigram_perplexity": float(np.exp(unigram)), "eval_mtp_loss": held["mtp"],
-                "eval_indexer_kl": held["indexer"], "tokens": self.tokens, "seconds": round(self.seconds, 2),
+                "eval_indexer_kl": held["indexer"],
+                "eval_expert_max_violation": [round(float(v), 4) for v in held["expert_max_violation"]],
+                "tokens": self.tokens, "seconds": round(self.seconds, 2),
                 "tokens_per_second": round(self.tokens / max(self.seconds, 1e-9), 1),
                 "this_run_seconds": round(wall, 2), "train_files": self.corpus.files,
                 "held_out_files": self.corpus.held_out_files, "held_out_tokens": int(len(self.corpus.held_out)),
                 "out": os.path.abspath(s.out)}
 
     def evaluate(self) -> dict:
-        """Mean losses over the held-out windows (sparse indexer)."""
+        """Mean losses over the held-out windows (sparse indexer), and per learned-routing layer
+        the busiest expert's load over an even share, minus 1 (`expert_max_violation`)."""
         s = self.settings
         batches = self.corpus.eval_batches(s.batch_size, s.seq_len, s.eval_windows)
         if not batches:
             raise TrainError("the held-out part of the corpus cannot fill one batch")
         run = self._program("eval", False)
-        parts = [jax.tree.map(float, run(self.params, self.frozen, self._windows(b))) for b in batches]
-        return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
+        parts, load = [], 0
+        for b in batches:
+            losses, batch_load = run(self.params, self.frozen, self._windows(b))
+            parts.append(jax.tree.map(float, losses))
+            load = load + np.asarray(batch_load)
+        return {**{k: float(np.mean([p[k] for p in parts])) for k in parts[0]},
+                "expert_max_violation": objective.max_violation(load, self.cfg)}
 
     # ---- saving ------------------------------------------------------------------------------
 
