@@ -20,9 +20,13 @@ import jsonschema
 import numpy as np
 import pytest
 
+from tokenizers import Tokenizer
+
+from dsv4_jax.checkpoint.hf_files import END_THINK
 from dsv4_jax.runtime.sampling import allowed
 from dsv4_jax.serving import grammar
 from dsv4_jax.serving.grammar import Constraint, GrammarError, TokenVocabulary
+from dsv4_jax.serving.reasoning import ReasoningParser
 from dsv4_jax.tools.random_checkpoint import EOS_ID, build_tokenizer, byte_chars
 
 TOKENIZER_SIZE, VOCAB = 700, 750
@@ -117,12 +121,14 @@ def byte_tokens(tokenizer, data: bytes) -> list[int]:
     return [tokenizer.token_to_id(chars[b]) for b in data]
 
 
-def walk(constraint: Constraint, tokenizer, seed: int, prefer) -> str:
+def walk(constraint: Constraint, tokenizer, seed: int, prefer, named=()) -> str:
     """Sample tokens through constraint's masks until eos (module doc); prefer(data) -> the ids to
-    bias toward after the bytes data. Returns the decoded text (eos excluded)."""
+    bias toward after the bytes data; named: the special tokens the grammar names (which it may
+    allow). Returns the decoded text (eos excluded, special tokens' text included)."""
     rng = np.random.default_rng(seed)
     mask = np.zeros((1, grammar.words(VOCAB)), np.int32)
-    specials = [i for i in tokenizer.get_added_tokens_decoder() if i != EOS_ID]
+    specials = [i for i, t in tokenizer.get_added_tokens_decoder().items()
+                if t.special and i != EOS_ID and i not in named]
     tokens: list[int] = []
     data = b""
     free = 0  # steps in a row with a wide choice (free text), which the bias grows with
@@ -140,7 +146,7 @@ def walk(constraint: Constraint, tokenizer, seed: int, prefer) -> str:
         assert allowed[token]
         if token == EOS_ID:
             assert constraint.error is None
-            return tokenizer.decode(tokens)
+            return tokenizer.decode(tokens, skip_special_tokens=False)
         constraint.accept(token)
         tokens.append(token)
         data += bytes(BYTE_OF[c] for c in tokenizer.id_to_token(token))
@@ -277,6 +283,104 @@ def test_tool_raw_text_may_hold_angle_brackets(tokenizer, vocab):
             c.accept(token)
             accepted += 1
         assert (accepted == len(ids) and c.done) == ok, city
+
+
+# ---- thinking: the grammar after the reasoning --------------------------------------------------
+
+def plain_think_tokenizer(tokenizer):
+    """tokenizer with `</think>` an ordinary vocabulary entry rather than an added token: text to
+    llguidance (its token or its bytes), as in a tokenizer that does not add it."""
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != END_THINK]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+@pytest.fixture(scope="module", params=["added", "text"])
+def thinking(request, tokenizer):
+    """(tokenizer, vocabulary, `</think>`'s id as after_reasoning takes it): the test tokenizer
+    (where `</think>` is an added, special token), or the same with `</think>` as text."""
+    if request.param == "added":
+        return tokenizer, TokenVocabulary(tokenizer, VOCAB, [EOS_ID]), tokenizer.token_to_id(END_THINK)
+    plain = plain_think_tokenizer(tokenizer)
+    assert plain.token_to_id(END_THINK) == tokenizer.token_to_id(END_THINK)
+    return plain, TokenVocabulary(plain, VOCAB, [EOS_ID]), None
+
+
+def think_prefer(tokenizer, after):
+    """Toward `</think>`'s token while the reasoning lasts, then `after`'s preference."""
+    end, closed = {tokenizer.token_to_id(END_THINK)}, END_THINK.encode()
+    return lambda data: after(data[data.index(closed) + len(closed):]) if closed in data else end
+
+
+def split(text: str) -> tuple[str, str]:
+    """(reasoning, content) as the server's reasoning parser splits a thinking reply's text."""
+    parser = ReasoningParser(True)
+    parts = [parser.feed(text), parser.finish()]
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+
+def test_thinking_walks_reason_then_follow_the_schema(thinking):
+    """Every walk is reasoning without `</think>`, `</think>`, then JSON that validates; the
+    reasoning parser splits it there; the walks reason for a while, and differ."""
+    tok, vocab, end_think = thinking
+    schema = SCHEMAS["nested"]
+    g = grammar.after_reasoning(grammar.grammar_for(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}), end_think)
+    named = () if end_think is None else (end_think,)
+    reasonings = set()
+    for seed in SEEDS:
+        c = Constraint(vocab, g)
+        text = walk(c, tok, seed, think_prefer(tok, json_prefer(tok)), named)
+        assert c.done
+        reasoning, content = split(text)
+        assert text == reasoning + END_THINK + content
+        jsonschema.validate(json.loads(content), schema)
+        reasonings.add(reasoning)
+    assert len(reasonings) > 1 and max(map(len, reasonings)) > 20
+
+
+def test_thinking_walks_then_call_a_tool(thinking):
+    tok, vocab, end_think = thinking
+    g = grammar.after_reasoning(grammar.grammar_for_tools(TOOLS, ["get_weather", "now"]), end_think)
+    named = () if end_think is None else (end_think,)
+    for seed in range(6):
+        text = walk(Constraint(vocab, g), tok, seed, think_prefer(tok, tool_prefer(tok)), named)
+        reasoning, content = split(text)
+        assert text == reasoning + END_THINK + content
+        check_tool_calls(content, ["get_weather", "now"])
+
+
+def allowed_after(vocab, constraint, tokens) -> np.ndarray:
+    """The bool mask [VOCAB] after accepting tokens."""
+    mask = np.zeros(grammar.words(VOCAB), np.int32)
+    for token in tokens:
+        constraint.fill(mask)
+        assert unpack(mask, VOCAB)[token], token
+        constraint.accept(token)
+    constraint.fill(mask)
+    return unpack(mask, VOCAB)
+
+
+def test_the_reasoning_ends_only_at_think_end(thinking):
+    """No eos while the reasoning lasts (a reply cannot end before `</think>`); the text
+    `</think>` spelled in bytes is refused inside the reasoning when the marker is an added
+    token, and ends it when the marker is text; after it the regex holds, and `</think>` is no
+    longer allowed."""
+    tok, vocab, end_think = thinking
+    g = grammar.after_reasoning(grammar.grammar_for(structured_outputs={"regex": "[a-z]{2}"}), end_think)
+    c = Constraint(vocab, g)
+    reasoning = tok.encode("Let me think: the answer {is} </think", add_special_tokens=False).ids
+    mask = allowed_after(vocab, c, reasoning)
+    assert not mask[EOS_ID] and mask[tok.token_to_id(END_THINK)]
+    spelled = byte_tokens(tok, b">")
+    if end_think is not None:
+        assert not mask[spelled].any()
+        mask = allowed_after(vocab, c, [end_think])
+    else:
+        mask = allowed_after(vocab, c, spelled)
+    assert not mask[EOS_ID] and not mask[tok.token_to_id(END_THINK)]
+    assert mask[byte_tokens(tok, b"q")].all() and not mask[byte_tokens(tok, b"Q<")].any()
+    assert allowed_after(vocab, c, byte_tokens(tok, b"ok"))[EOS_ID] and c.done
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ however the text is cut, and `</think>` never reaches either part."""
 import pytest
 from conftest import text_splits
 
+from dsv4_jax.checkpoint.hf_files import END_THINK, USER
 from dsv4_jax.serving.reasoning import ReasoningParser, partial_marker_length
+from dsv4_jax.serving.tokenization import ServerTokenizer, TextOutput
+from dsv4_jax.tools.random_checkpoint import build_tokenizer
 
 # (thinking, generated text, expected reasoning, expected content)
 CASES = [
@@ -44,3 +47,21 @@ def test_partial_marker_length():
     assert partial_marker_length("abc<", "</think>") == 1
     assert partial_marker_length("abc</think>", "</think>") == 0  # a whole marker is found, not held
     assert partial_marker_length("", "</think>") == 0
+
+
+def test_a_special_think_end_reaches_the_parser():
+    """The test tokenizer makes </think> a special token: a thinking reply's text keeps it (and
+    only it), piece by piece as at once, so the parser splits there."""
+    tok = ServerTokenizer(build_tokenizer(512, seed=0))
+    assert tok.end_think in tok.special_ids
+    user = tok.encode([USER], add_special_tokens=False)[0]
+    ids = sum(tok.encode(["Hmm, 日本", "done"], add_special_tokens=False), [])
+    cut = len(tok.encode(["Hmm, 日本"], add_special_tokens=False)[0])
+    ids = ids[:cut - 1] + user + ids[cut - 1:cut] + [tok.end_think] + ids[cut:]
+    shown = frozenset({tok.end_think})
+    out = TextOutput(tok, [], shown)
+    text = "".join(out.add(t, i == len(ids) - 1) for i, t in enumerate(ids))
+    assert text == tok.decode(ids, shown=shown) == f"Hmm, 日本{END_THINK}done"
+    assert tok.decode(ids) == "Hmm, 日本done"  # without `shown` every special token is left out
+    parser = ReasoningParser(True)
+    assert parser.feed(text) == ("Hmm, 日本", "done")

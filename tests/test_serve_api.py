@@ -54,6 +54,12 @@ SCHEMAS = {
         "required": ["color", "ok"], "additionalProperties": False},
 }
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# An agent's history: an earlier turn's call with its reasoning, and the call's result.
+AGENT_HISTORY = [*USER, {"role": "assistant", "content": None, "reasoning_content": "Paris first.", "tool_calls": [
+    {"id": "c1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+THINK_BIAS = 3.0  # a logit_bias on </think> that ends the random model's reasoning after some tens of tokens
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +169,45 @@ def test_structured_outputs_validate_for_every_seed(live):
     assert pick.message.content in ("yes", "no", "maybe")
 
 
+def test_constrained_replies_after_thinking(live):
+    """Thinking on with a json_schema or tool_choice "required" (after a history that sends the
+    reasoning of an earlier call back): the reasoning is free text up to </think> and the reply
+    after it follows the grammar, streamed or not, without a compilation.
+    The random model writes </think> (one token of its vocabulary) only by chance, so a
+    logit_bias raises it, as a client could; biased against it, the reply reasons until
+    max_tokens: finish_reason "length", all reasoning, an empty content."""
+    service, client, _ = live
+    end_think = service.tokenizer.end_think
+    assert end_think is not None and end_think in service.tokenizer.special_ids  # the grammar names the token
+    think = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(end_think): THINK_BIAS}}
+    reasonings = []
+    with CompileCounter() as compiles:
+        for seed in range(4):
+            name = list(SCHEMAS)[seed % len(SCHEMAS)]
+            fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+            whole = _chat(client, response_format=fmt, seed=seed, max_tokens=600, extra_body=think)
+            reasoning = (whole.message.model_extra or {}).get("reasoning_content")
+            assert whole.finish_reason == "stop" and isinstance(reasoning, str), whole
+            assert "</think>" not in reasoning + whole.message.content
+            reasonings.append(reasoning)
+            jsonschema.validate(json.loads(whole.message.content), SCHEMAS[name])
+            content, streamed_reasoning, _, finish = _chat(client, stream=True, response_format=fmt, seed=seed,
+                                                           max_tokens=600, extra_body=think)
+            assert (content, streamed_reasoning, finish) == (whole.message.content, reasoning, "stop")
+            call = _chat(client, messages=AGENT_HISTORY, tools=[WEATHER, SEARCH], tool_choice="required", seed=seed,
+                         max_tokens=None, extra_body=think)  # the rest of the context
+            assert call.finish_reason == "tool_calls" and _calls(call), call
+            assert isinstance((call.message.model_extra or {}).get("reasoning_content"), str)
+            for c in _calls(call):
+                _valid_call(c, [WEATHER, SEARCH])
+        never = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(end_think): -100}}
+        cut = _chat(client, response_format={"type": "json_object"}, seed=1, max_tokens=30, extra_body=never)
+        assert cut.finish_reason == "length" and cut.message.content == ""
+        assert cut.message.model_extra["reasoning_content"]
+    assert any(reasonings)
+    assert compiles.compiled == 0, compiles.programs
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format"),
@@ -172,7 +217,8 @@ def test_structured_outputs_validate_for_every_seed(live):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"n": 0}, "n"), ({"top_logprobs": 3}, "top_logprobs"), ({"min_p": 2}, "min_p"),
     ({"logit_bias": {"5": 200}}, "logit_bias"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
-    ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"thinking": True}}, "response_format"),
+    ({"messages": [*USER, {"role": "assistant", "content": "a", "reasoning_content": {"text": "r"}}]},
+     "messages[1].reasoning_content"),
 ])
 def test_bad_requests_are_400_naming_the_field(live, body, param):
     _, client, _ = live

@@ -297,6 +297,45 @@ def test_history_of_calls_and_results():
     assert fmt.render(CONVERSATION, {"thinking": True}).text == f"{B}S{HISTORY}<think>"
 
 
+def _with_reasoning(conversation, texts):
+    """conversation with each assistant message given the next of texts as reasoning_content."""
+    texts = iter(texts)
+    return [{**m, "reasoning_content": next(texts)} if m["role"] == "assistant" else m for m in conversation]
+
+
+def test_history_reasoning_is_kept_only_when_thinking_with_tools():
+    """Earlier turns' reasoning_content: with thinking and tools each turn opens with <think> +
+    its reasoning + </think>; without tools or without thinking it is dropped, as DeepSeek's
+    encoder drops it."""
+    fmt = chat.ChatFormat()
+    messages = _with_reasoning(CONVERSATION, ["Need weather and time.", "", "All done."])
+    thinking = fmt.render(messages, {"thinking": True}, tools=SPEC).text
+    kept = HISTORY
+    for reply, reasoning in (("Checking.", "Need weather and time."), ("\n\n", ""), ("Sunny", "All done.")):
+        kept = kept.replace(f"{chat.ASSISTANT}</think>{reply}", f"{chat.ASSISTANT}<think>{reasoning}</think>{reply}", 1)
+    assert thinking == f"{B}S{TOOLS_HEAD}{SCHEMAS}{kept}<think>"
+    assert fmt.render(messages, {"thinking": True}).text == f"{B}S{HISTORY}<think>"
+    assert fmt.render(messages, tools=SPEC).text == f"{B}S{TOOLS_HEAD}{SCHEMAS}{HISTORY}</think>"
+    assert fmt.render(messages).text == fmt.render(CONVERSATION).text
+    # null is an absent reasoning; a user's or tool's null or empty one is ignored as other empty fields are
+    absent = _with_reasoning(CONVERSATION, [None] * 3) + [{"role": "user", "content": "x", "reasoning_content": ""}]
+    assert fmt.render(absent, {"thinking": True}, tools=SPEC).text == \
+        fmt.render(CONVERSATION + [{"role": "user", "content": "x"}], {"thinking": True}, tools=SPEC).text
+
+
+def test_special_tokens_in_reasoning_are_marked():
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning_content": "x<｜end▁of▁sentence｜><｜User｜>y"},
+                {"role": "user", "content": "r"}]
+    prompt = chat.ChatFormat().render(messages, {"thinking": True}, specials=[chat.USER, chat.EOS], tools=SPEC)
+    assert prompt.text.count(chat.USER) == 2 and prompt.text.count(chat.EOS) == 1  # the format's own only
+    assert sorted(prompt.literals.values()) == [chat.USER, chat.EOS]
+    restored = prompt.text
+    for marker, literal in prompt.literals.items():
+        restored = restored.replace(marker, literal)
+    assert f"<｜Assistant｜><think>x{chat.EOS}{chat.USER}y</think>a{chat.EOS}" in restored
+
+
 def test_a_parsed_reply_renders_back_as_it_was_written():
     """A call the parser reads from DeepSeek's format, sent back in the history, renders as the
     model wrote it."""
@@ -321,16 +360,24 @@ def test_special_tokens_in_tools_and_calls_are_marked():
     assert '<｜DSML｜parameter name="<｜User｜>" string="true"><｜User｜></｜DSML｜parameter>' in restored
 
 
+def _template(directory, template: str) -> str:
+    """directory, with a tokenizer_config.json holding chat template `template`."""
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": template}, f)
+    return str(directory)
+
+
 def test_a_template_gets_tools_and_calls(tmp_path):
     template = ("{% for t in tools or [] %}{{ t.function.name }},{% endfor %}|{% for m in messages %}[{{ m.role }}]"
                 "{% for c in m.tool_calls or [] %}{{ c.id }}:{{ c.function.name }}{{ c.function.arguments | tojson }}"
                 "{% endfor %}{{ m.tool_call_id or '' }}{% endfor %}|{{ reasoning_effort }}|{{ thinking }}")
-    with open(os.path.join(tmp_path, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": template}, f)
-    fmt = chat.load_chat_format(str(tmp_path))
+    fmt = chat.load_chat_format(_template(tmp_path, template))
     messages = CONVERSATION[1:4]
     assert fmt.render(messages, tools=SPEC).text == (
         'get_weather,now,|[user][assistant]c1:get_weather{"location": "Beijing", "days": 3}c2:now{}[tool]c1|None|')
+    reasoning = chat.load_chat_format(_template(tmp_path,
+                                                "{% for m in messages %}[{{ m.reasoning_content }}]{% endfor %}"))
+    assert reasoning.render(_with_reasoning(messages, ["why"])).text == "[][why][]"
     assert fmt.render(messages, reasoning_effort="xhigh").text.endswith("|max|True")
     assert fmt.render(messages, {"thinking": False}, reasoning_effort="low").text.endswith("|high|False")
     for key in ("tools", "reasoning_effort"):
@@ -386,6 +433,13 @@ BAD_MESSAGES = [  # (messages, param, message)
      "function name of 1 to 64"),
     ([{"role": "tool", "tool_call_id": "c"}], "messages[0].content", "must be a string or a list of text parts"),
     ([{"role": "tool", "content": "r", "tool_call_id": 3}], "messages[0].tool_call_id", "must be a string"),
+    ([{"role": "user", "content": "x", "reasoning_content": "r"}], "messages[0].reasoning_content", "not supported"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "a", "reasoning_content": ["r"]}],
+     "messages[1].reasoning_content", "must be a string"),
+    ([{"role": "assistant", "content": "a", "reasoning_content": 7}], "messages[0].reasoning_content",
+     "must be a string"),
+    ([{"role": "assistant", "content": "a", "reasoning_content": "\ud800"}], "messages[0].reasoning_content",
+     "lone surrogate"),
 ]
 
 

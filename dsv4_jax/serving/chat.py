@@ -21,8 +21,13 @@ written here (`default_prompt`) after DeepSeek-V4's own encoder (encoding_dsv4.p
   tool calls (if any) after the reply and a blank line as a DSML block (`tool_calls_block`);
 - last the generation prompt `<｜Assistant｜>` followed by `</think>` in the default
   non-thinking ("chat") mode, or by `<think>` with `chat_template_kwargs: {"thinking": true}`
-  ("thinking" mode). In thinking mode with tools, DeepSeek's encoder keeps each earlier assistant
-  turn's reasoning, so those turns open with `<think></think>` (their reasoning is not sent back).
+  ("thinking" mode).
+An earlier assistant message may carry its reasoning as `reasoning_content` (a string, as the
+server returned it). In thinking mode with tools DeepSeek's encoder keeps each earlier turn's
+reasoning: those turns open with `<think>` + reasoning + `</think>` (`<think></think>` when the
+message has none). Otherwise, as DeepSeek's encoder and API do, earlier reasoning is dropped and
+the turns open with `</think>`. A template gets the field as the message's `reasoning_content`
+(the name transformers' and vLLM's templates read) and decides for itself.
 
 `reasoning_effort` is the request's field, taken as DeepSeek's API documents it: "high" and "max"
 are its levels, "low" and "medium" map to "high", and OpenAI's "xhigh" to "max" (`effort_level`).
@@ -33,7 +38,7 @@ right after BOS (`MAX_EFFORT`, in our words; DeepSeek's encoder adds its own suc
 Message content is a string, or a list of `{"type": "text", "text": ...}` parts (joined with "\\n";
 a tool result's with a blank line, as DeepSeek's encoder joins them).
 
-The request's own text (message content, tool calls, tools, string values of
+The request's own text (message content and reasoning, tool calls, tools, string values of
 chat_template_kwargs) is the user's, not the format's: a special-token string in it
 (`<｜User｜>`, `<｜end▁of▁sentence｜>`, any string of the tokenizer's added tokens) is replaced by
 a marker before rendering, and `ChatPrompt.literals` maps each marker back to its string, which
@@ -64,7 +69,7 @@ TOOL_RESULT, END_TOOL_RESULT = "<tool_result>", "</tool_result>"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SYSTEM_ROLES = ("system", "developer")
 # The fields a message of a role may carry beyond role, content and name.
-ROLE_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+ROLE_FIELDS = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id",)}
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 # DeepSeek's API levels for each accepted `reasoning_effort` (module doc).
 EFFORT_LEVELS = {"low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
@@ -88,9 +93,10 @@ class ChatError(ValueError):
 
 def normalize_messages(messages) -> list[dict]:
     """The messages as `[{"role", "content": str}]`, an assistant's calls also as `tool_calls`:
-    `[{"id": str | None, "type": "function", "function": {"name", "arguments": dict}}]` and a tool
-    result's id as `tool_call_id` (when given); ChatError naming the first bad field. A message
-    may also carry `name` (ignored) and other fields only when null or empty."""
+    `[{"id": str | None, "type": "function", "function": {"name", "arguments": dict}}]`, its
+    reasoning as `reasoning_content` (str) and a tool result's id as `tool_call_id` (each when
+    given); ChatError naming the first bad field. A message may also carry `name` (ignored) and
+    other fields only when null or empty."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list of messages", "messages")
     out = []
@@ -124,6 +130,11 @@ def normalize_messages(messages) -> list[dict]:
         message = {"role": role, "content": content}
         if role == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise ChatError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+            _check_text(m["reasoning_content"], f"{where}.reasoning_content")
+            message["reasoning_content"] = m["reasoning_content"]
         if role == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise ChatError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
@@ -280,7 +291,7 @@ def default_prompt(messages: list[dict], thinking: bool = False, tools: list[dic
         leading += 1
     if tools:
         parts.append(tools_section(tools))
-    reply_start = ASSISTANT + (THINK + END_THINK if thinking and tools else END_THINK)
+    keep_reasoning = thinking and bool(tools)  # module doc: DeepSeek's encoder keeps it only here
     turn: list[str] = []  # the texts of the user turn being gathered (user and tool messages)
     for m in messages[leading:]:
         if m["role"] == "user":
@@ -295,8 +306,9 @@ def default_prompt(messages: list[dict], thinking: bool = False, tools: list[dic
         if m["role"] in SYSTEM_ROLES:
             parts.append(m["content"])
         else:
+            reasoning = THINK + m.get("reasoning_content", "") if keep_reasoning else ""
             calls = "\n\n" + tool_calls_block(m["tool_calls"]) if m.get("tool_calls") else ""
-            parts.append(reply_start + m["content"] + calls + EOS)
+            parts.append(ASSISTANT + reasoning + END_THINK + m["content"] + calls + EOS)
     if turn:
         parts.append(USER + "\n\n".join(turn))
     parts.append(ASSISTANT + (THINK if thinking else END_THINK))

@@ -10,18 +10,30 @@ and no torch dependency (xgrammar's Python API needs torch).
 The flow, per (request, choice):
 - at request time `grammar_for` / `grammar_for_tools` turn the request fields into an llguidance
   grammar string and validate it, so that a bad schema or regex is a 400 naming the field
-  (`GrammarError.param`) rather than a failure mid-generation;
+  (`GrammarError.param`) rather than a failure mid-generation; in thinking mode (the prompt
+  opened the reasoning) `after_reasoning` puts that grammar behind the reasoning (below);
 - `Constraint(vocab, grammar)` holds an `llguidance.LLMatcher` on the host. While the device runs
   a step, `fill(row)` writes the allowed next tokens into one int32 row `[W]` of a packed bitmask
   `[R, W]`, W = `words(vocab_size)`; the server uploads it and the sampling program unpacks it
   (`dsv4_jax.runtime.sampling.allowed`); after each sampled token the server calls `accept(token)`. `done` says that
   only eos may follow (the server then stops the choice as it does at eos).
 
+Thinking mode: the reasoning is free text and the grammar holds for the reply after it. The
+grammar `after_reasoning` builds is any text that does not contain `</think>`, then `</think>`,
+then the request's grammar (as an llguidance subgrammar, so its rules and names stay its own).
+When `</think>` is one of the tokenizer's added tokens the grammar names that token (llguidance
+reads every added token, special or not, as a special token rather than text); the text
+`</think>` spelled by other tokens is kept out of the reasoning all the same, so the reasoning
+ends where the reasoning parser (dsv4_jax/serving/reasoning.py) splits it. Eos is not allowed
+before `</think>`, and nothing forces it: a reply that runs out of max_tokens while it reasons
+ends with finish_reason "length" and no content, as OpenAI's reasoning models do.
+
 Bitmask layout (llguidance's, which `llguidance.numpy` also uses): bit i of word j (bit 0 the
 least significant) is token 32 j + i; 1 = allowed. Ids at or past the model's vocab_size do not
 exist; ids past the tokenizer's own vocabulary (a model may have more rows than the tokenizer
-has tokens) and special tokens other than eos are never allowed. Eos is allowed exactly where the
-grammar may end; after a matcher error the mask allows only eos, so the choice ends.
+has tokens) and special tokens other than eos (and `</think>` where a grammar after the
+reasoning names it) are never allowed. Eos is allowed exactly where the grammar may end; after a
+matcher error the mask allows only eos, so the choice ends.
 
 JSON is compiled without free whitespace (llguidance's `whitespace_flexible: false`: `,` and
 `:` with no spaces, no newlines), so the output is compact and costs fewer tokens.
@@ -37,6 +49,8 @@ import json
 
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, grammar_from
+
+from dsv4_jax.checkpoint.hf_files import END_THINK
 
 # JSON compiler options for every schema (module doc: compact output).
 COMPACT_JSON = {"whitespace_flexible": False}
@@ -57,6 +71,10 @@ PARAMETER_CLOSE = f"</{DSML}parameter>\n"
 # close. The text itself may hold "<" (code, HTML), only not the closing-tag prefix.
 _RAW_VALUE = (f"RAW_VALUE: (/(?s:.*)/ & ~/(?s:.*)<\\/{DSML}(?s:.*)/) "
               f"{json.dumps(PARAMETER_CLOSE, ensure_ascii=False)}")
+
+# Text without "</think>" (module doc, thinking mode): the reasoning, as a lark terminal.
+_REASONING = "/(?s:.*)/ & ~/(?s:.*)" + END_THINK.replace("/", "\\/") + "(?s:.*)/"
+_REPLY = "reply"  # the name of the request's grammar behind the reasoning
 
 # Short matcher errors (no parser state or grammar dump, which may hold the request's schema).
 _LIMITS = LLParserLimits(verbose_errors=False)
@@ -187,6 +205,23 @@ def grammar_for(response_format=None, structured_outputs=None) -> str | None:
     if response_format is None:
         return None
     return _response_format_grammar(response_format)
+
+
+def after_reasoning(grammar: str, end_think: int | None) -> str:
+    """`grammar` (an llguidance grammar: lark text or its JSON form) put behind a reply's
+    reasoning (module doc, thinking mode). end_think: `</think>`'s token id when it is an added
+    token of the tokenizer (`ServerTokenizer.end_think`), None when it is text."""
+    if end_think is None:
+        # One terminal: as with RAW_VALUE, a reasoning lexeme followed by a separate "</think>"
+        # would be cut greedily and could never end.
+        start = f"start: REASONING @{_REPLY}\nREASONING: ({_REASONING}) {_literal(END_THINK)}"
+    else:
+        start = f"start: REASONING <[{end_think}]> @{_REPLY}\nREASONING: {_REASONING}"
+    if grammar.startswith("{"):  # llguidance's JSON form {"grammars": [the top one, ...]} (lark text cannot)
+        top, *others = json.loads(grammar)["grammars"]
+    else:
+        top, others = {"lark_grammar": grammar}, []
+    return json.dumps({"grammars": [{"lark_grammar": start}, {**top, "name": _REPLY}, *others]}, ensure_ascii=False)
 
 
 # ---- tool calls -----------------------------------------------------------------------------

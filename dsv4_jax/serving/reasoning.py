@@ -3,7 +3,10 @@
 In thinking mode the prompt ends with `<think>` (dsv4_jax/serving/chat.py), so the model's text up
 to its `</think>` is reasoning (the response's `reasoning_content`) and the text after it the
 reply's content; a reply that ends without `</think>` was all reasoning. In the default chat mode
-the prompt already closed the reasoning (`</think>`): everything is content.
+the prompt already closed the reasoning (`</think>`): everything is content. The marker reaches
+this parser as text even where the tokenizer makes it a special token (output text otherwise
+leaves those out: dsv4_jax/serving/tokenization.py, TextOutput's `shown`); a constrained reply's
+grammar ends its reasoning at the same marker (dsv4_jax/serving/grammar.py, `after_reasoning`).
 
 The text arrives in pieces that may cut `</think>` anywhere, so the end of the reasoning that could
 still be the start of the marker is held back until the next piece settles it: the marker never

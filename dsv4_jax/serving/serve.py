@@ -35,7 +35,9 @@ bias, temperature and cut-offs, as vLLM's default), `structured_outputs` (vLLM's
 `tool_calls`; "required" and a named function are enforced by a grammar), `reasoning_effort` and
 thinking mode (the reasoning comes back as `reasoning_content`), `response_format` (json_object,
 json_schema). A constrained reply (dsv4_jax/serving/grammar.py, llguidance) gets its allowed tokens
-from a matcher on the host before each step and applies them in the sampling program.
+from a matcher on the host before each step and applies them in the sampling program; in thinking
+mode the reasoning is free text up to `</think>` and the grammar holds for the reply after it.
+Earlier assistant messages may carry their `reasoning_content` (dsv4_jax/serving/chat.py).
 Accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. Accepted only at
 the value that asks for nothing (null, or the value in `NEUTRAL`), else a 400 naming the field:
@@ -88,7 +90,7 @@ from dsv4_jax.runtime.engine import Engine, EngineConfigError, QueueFull, Static
 from dsv4_jax.runtime.request import RequestError, SamplingParams, check_prompt, input_too_long, prompt_field
 from dsv4_jax.runtime.speculative import SPEC_DECODE_COUNTERS
 from .chat import THINK, ChatError, ChatFormat, load_chat_format
-from .grammar import Constraint, GrammarError, TokenVocabulary, grammar_for, grammar_for_tools
+from .grammar import Constraint, GrammarError, TokenVocabulary, after_reasoning, grammar_for, grammar_for_tools
 from .reasoning import ReasoningParser
 from .tool_calls import ToolCallParser, ToolSpec, check_tools, collect
 from .http import APIError, Gate, error_response, protocol
@@ -431,7 +433,10 @@ class ChoiceOutput:
 
     def __init__(self, service: Service, stops: list[str], chat: ChatSetup | None, call_ids: str):
         self.tokenizer = service.tokenizer
-        self.text = TextOutput(service.tokenizer, stops)
+        # A thinking reply's `</think>` stays in its text, even as a special token, for the reasoning split.
+        end_think = service.tokenizer.end_think
+        shown = frozenset({end_think}) if chat is not None and chat.thinking and end_think is not None else frozenset()
+        self.text = TextOutput(service.tokenizer, stops, shown)
         self.chat = chat
         self.reasoning = ReasoningParser(chat.thinking) if chat is not None else None
         self.tools = ToolCallParser(chat.tools, call_ids) if chat is not None else None
@@ -904,10 +909,8 @@ def create_app(service: Service, *, api_key: str | None = None, max_request_byte
             raise APIError(400, str(e), e.param) from None
         prompt, setup = await _chat_prompt(body, tools, service)
         grammar = _grammar(body, tools, service)
-        if grammar is not None and setup.thinking:
-            raise APIError(400, "a constrained reply (response_format, structured_outputs, or tool_choice required / "
-                                "a named function) starts at the reply's first token, which leaves no room for "
-                                "thinking: send it with thinking off", "response_format")
+        if grammar is not None and setup.thinking:  # the reasoning is free; the grammar holds after it
+            grammar = after_reasoning(grammar, service.tokenizer.end_think)
         m = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if m is None:
             m = max(service.engine.max_len - len(prompt), 1)

@@ -19,13 +19,18 @@
 surrogate ("\\ud800"), which is not a Unicode scalar value.
 
 `TextOutput` turns a request's generated tokens into text as they arrive (incremental
-detokenization with stop strings).
+detokenization with stop strings). Output text leaves special tokens out, except those a reply
+asks to see: a thinking reply keeps `</think>` (`ServerTokenizer.end_think`) when the tokenizer
+makes it a special token, as the reasoning split reads the marker in the text
+(dsv4_jax/serving/reasoning.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+from dsv4_jax.checkpoint.hf_files import END_THINK
 
 SHRINKING_NORMALIZERS = {"NFC": 4, "NFKC": 4}  # the most code points they compose into one
 KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "Sequence"}  # never fewer characters
@@ -98,8 +103,15 @@ class ServerTokenizer:
         self.tokenizer = tokenizer
         self.plain = without_added_tokens(tokenizer)
         self.chars_per_token = chars_per_token_bound(tokenizer)
+        added = tokenizer.get_added_tokens_decoder()
         # Every added token's string: the chat format marks these in a request's own text.
-        self.specials = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values())
+        self.specials = tuple(t.content for t in added.values())
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)  # left out of output text
+        # `</think>`'s id when it is an added token, else None (then it is text, one token or more).
+        # llguidance reads every added token as a special token, which a grammar names by its id
+        # (grammar.after_reasoning); a special one is also left out of output text, where a
+        # thinking reply keeps it (TextOutput's `shown`).
+        self.end_think = next((i for i, t in added.items() if t.content == END_THINK), None)
 
     def min_tokens(self, text: str) -> int:
         """At least this many tokens encode `text` (0 when the tokenizer allows no bound)."""
@@ -109,7 +121,10 @@ class ServerTokenizer:
         """Token ids of each text (blocking; releases the GIL while it encodes)."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, shown: frozenset[int] = frozenset()) -> str:
+        """The text of ids; `shown`: special tokens whose text stays even when they are skipped."""
+        if skip_special_tokens and not shown.isdisjoint(ids):
+            ids, skip_special_tokens = [i for i in ids if i in shown or i not in self.special_ids], False
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode_chat(self, text: str, literals: dict[str, str]) -> list[int]:
@@ -134,18 +149,20 @@ class TextOutput:
     ones before it (`prefix`..`read`, whose text was taken), and new text is taken only when it
     does not end in U+FFFD (a UTF-8 character split across tokens) or the request ends, so a
     character is never emitted in parts and the pieces add up to the whole output decoded at once
-    (special tokens skipped). Invalid UTF-8 (a model emitting stray bytes) also ends in U+FFFD;
-    once `MAX_PENDING` tokens wait, the text up to the fourth last of them is taken when cutting
-    there changes nothing and at least three characters (so three bytes) follow the cut (a UTF-8
-    decoder looks at most three bytes ahead, so later tokens cannot change the text before it):
-    the text decoded per token stays short however long such a run. Stop strings: the text is cut before the first
-    one and the request ends; until then the last len(longest stop) - 1 characters are held back,
-    as they may begin one."""
+    (special tokens skipped, those `shown` excepted). Invalid UTF-8 (a model emitting stray bytes)
+    also ends in U+FFFD; once `MAX_PENDING` tokens wait, the text up to the fourth last of them is
+    taken when cutting there changes nothing and at least three characters (so three bytes) follow
+    the cut (a UTF-8 decoder looks at most three bytes ahead, so later tokens cannot change the
+    text before it): the text decoded per token stays short however long such a run. Stop strings:
+    the text is cut before the first one and the request ends; until then the last
+    len(longest stop) - 1 characters are held back, as they may begin one."""
 
     MAX_PENDING = 8
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], shown: frozenset[int] = frozenset()):
+        """shown: special token ids whose text is output all the same (module doc; then `tokenizer`
+        is a ServerTokenizer)."""
+        self.tokenizer, self.stops, self.shown = tokenizer, stops, shown
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] decode to text already taken (context for the next ones)
         self.text, self.sent = "", 0
@@ -153,6 +170,8 @@ class TextOutput:
         self.stopped = False  # a stop string matched
 
     def _decode(self, ids: list[int]) -> str:
+        if self.shown:
+            return self.tokenizer.decode(ids, skip_special_tokens=True, shown=self.shown)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token: int | None, final: bool) -> str:
