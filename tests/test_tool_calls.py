@@ -303,10 +303,10 @@ def _with_reasoning(conversation, texts):
     return [{**m, "reasoning_content": next(texts)} if m["role"] == "assistant" else m for m in conversation]
 
 
-def test_history_reasoning_is_kept_only_when_thinking_with_tools():
+def test_history_reasoning_is_kept_as_deepseeks_encoder_keeps_it():
     """Earlier turns' reasoning_content: with thinking and tools each turn opens with <think> +
-    its reasoning + </think>; without tools or without thinking it is dropped, as DeepSeek's
-    encoder drops it."""
+    its reasoning + </think>; with thinking and no tools only the turns after the last user
+    message do; without thinking it is dropped, as DeepSeek's encoder drops it."""
     fmt = chat.ChatFormat()
     messages = _with_reasoning(CONVERSATION, ["Need weather and time.", "", "All done."])
     thinking = fmt.render(messages, {"thinking": True}, tools=SPEC).text
@@ -317,6 +317,13 @@ def test_history_reasoning_is_kept_only_when_thinking_with_tools():
     assert fmt.render(messages, {"thinking": True}).text == f"{B}S{HISTORY}<think>"
     assert fmt.render(messages, tools=SPEC).text == f"{B}S{TOOLS_HEAD}{SCHEMAS}{HISTORY}</think>"
     assert fmt.render(messages).text == fmt.render(CONVERSATION).text
+    # without tools, the assistant turns after the last user message keep theirs (here the last,
+    # with no user message after it)
+    tail = messages[:-1]
+    assert fmt.render(tail, {"thinking": True}).text == fmt.render(CONVERSATION[:-1], {"thinking": True}).text.replace(
+        f"{chat.ASSISTANT}<think></think>Sunny", f"{chat.ASSISTANT}<think>All done.</think>Sunny")
+    assert fmt.render(CONVERSATION[:-1], {"thinking": True}).text.count("<think></think>") == 1
+    assert fmt.render(tail).text == fmt.render(CONVERSATION[:-1]).text
     # null is an absent reasoning; a user's or tool's null or empty one is ignored as other empty fields are
     absent = _with_reasoning(CONVERSATION, [None] * 3) + [{"role": "user", "content": "x", "reasoning_content": ""}]
     assert fmt.render(absent, {"thinking": True}, tools=SPEC).text == \

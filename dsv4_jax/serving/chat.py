@@ -23,10 +23,11 @@ written here (`default_prompt`) after DeepSeek-V4's own encoder (encoding_dsv4.p
   non-thinking ("chat") mode, or by `<think>` with `chat_template_kwargs: {"thinking": true}`
   ("thinking" mode).
 An earlier assistant message may carry its reasoning as `reasoning_content` (a string, as the
-server returned it). In thinking mode with tools DeepSeek's encoder keeps each earlier turn's
-reasoning: those turns open with `<think>` + reasoning + `</think>` (`<think></think>` when the
-message has none). Otherwise, as DeepSeek's encoder and API do, earlier reasoning is dropped and
-the turns open with `</think>`. A template gets the field as the message's `reasoning_content`
+server returned it). In thinking mode DeepSeek's encoder keeps the reasoning of every assistant
+turn when the request has tools, and otherwise of the assistant turns after the last user (or
+tool) message: those turns open with `<think>` + reasoning + `</think>` (`<think></think>` when
+the message has none). The others, and every turn in chat mode, drop it, as DeepSeek's encoder
+and API do, and open with `</think>`. A template gets the field as the message's `reasoning_content`
 (the name transformers' and vLLM's templates read) and decides for itself.
 
 `reasoning_effort` is the request's field, taken as DeepSeek's API documents it: "high" and "max"
@@ -291,9 +292,10 @@ def default_prompt(messages: list[dict], thinking: bool = False, tools: list[dic
         leading += 1
     if tools:
         parts.append(tools_section(tools))
-    keep_reasoning = thinking and bool(tools)  # module doc: DeepSeek's encoder keeps it only here
+    # module doc: which earlier turns keep their reasoning
+    last_user = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=-1)
     turn: list[str] = []  # the texts of the user turn being gathered (user and tool messages)
-    for m in messages[leading:]:
+    for i, m in enumerate(messages[leading:], leading):
         if m["role"] == "user":
             turn.append(m["content"])
             continue
@@ -306,7 +308,8 @@ def default_prompt(messages: list[dict], thinking: bool = False, tools: list[dic
         if m["role"] in SYSTEM_ROLES:
             parts.append(m["content"])
         else:
-            reasoning = THINK + m.get("reasoning_content", "") if keep_reasoning else ""
+            keep = thinking and (bool(tools) or i > last_user)
+            reasoning = THINK + m.get("reasoning_content", "") if keep else ""
             calls = "\n\n" + tool_calls_block(m["tool_calls"]) if m.get("tool_calls") else ""
             parts.append(ASSISTANT + reasoning + END_THINK + m["content"] + calls + EOS)
     if turn:
