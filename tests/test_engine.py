@@ -29,7 +29,8 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
-    assert eng.warmup() == 3 + 3 * 2  # decode (whole, in halves), penalty history, prefill rows 1 / 2 / 4 x 16 / 32
+    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 / 4 x 16 / 32
+    assert eng.warmup() == 4 + 3 * 2
     return eng
 
 
@@ -71,7 +72,8 @@ def test_warmup_runs_every_program_and_changes_no_state(model):
     """warm-up runs each program on random ids in rows that hold: afterwards the state is a new
     engine's, leaf for leaf, and a request compiles nothing."""
     eng = Engine(model, slots=2, max_len=64, prefill_chunk=16)
-    assert eng.warmup(decode_runs=2) == 3 + 2 * 1  # decode (whole, in halves), penalty history, prefill rows 1 / 2 x 16
+    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 x 16
+    assert eng.warmup(decode_runs=2) == 4 + 2 * 1
     fresh = jax.tree.leaves(eng._new_state())
     after = jax.tree.leaves(eng.state)
     assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))
@@ -223,3 +225,35 @@ def test_drafts_asked_of_an_engine_without_speculation(engine):
     with pytest.raises(ValueError, match="speculative decoding is off here"):
         engine.submit([1, 2, 3], 4, speculative_tokens=2)
     assert engine.submit([1, 2, 3], 1, speculative_tokens=0).sampling.speculative_tokens == 0
+
+
+def test_n_choices_fork_one_prefill(engine, model, alone):
+    """An n = 4 sampled request, its choices after the first submitted `after` it (as the server
+    does): the prompt (a full block of 128 tokens and 22 more) is prefilled once, the three other
+    choices forked from it in the step that ends it, sharing its full block (5 blocks in use, not
+    4 x 2), and each choice's tokens are those its seed gives alone; nothing compiles. Greedy,
+    n = 2 gives one answer twice, generate's."""
+    rng = np.random.default_rng(6)
+    V = model.config.vocab_size
+    prompt = list(map(int, rng.integers(0, V, 150)))
+    kw = dict(temperature=1.0, top_k=20, top_p=0.9)
+    engine.run_until_idle()  # what earlier tests left queued
+    before, c = COMPILES.n, engine.counters
+    prefilled, forked = c["prompt_tokens"], c["forked_requests"]
+    first = engine.submit(prompt, 12, seed=7, **kw)
+    reqs = [first] + [engine.submit(prompt, 12, seed=7 + i, after=first, **kw) for i in range(1, 4)]
+    while not first.tokens:
+        engine.step()
+    assert [len(r.tokens) for r in reqs] == [1] * 4 and engine.pool.used == 1 + 4
+    engine.run_until_idle()
+    assert COMPILES.n == before, "the fork compiled after warm-up"
+    assert c["prompt_tokens"] - prefilled == len(prompt) and c["forked_requests"] - forked == 3
+    for i, r in enumerate(reqs):
+        single = engine.submit(prompt, 12, seed=7 + i, **kw)
+        engine.run_until_idle()
+        assert r.tokens == single.tokens and len(r.tokens) == 12
+    assert len({tuple(r.tokens) for r in reqs}) > 1
+    greedy = engine.submit(prompt[:40], 10)
+    other = engine.submit(prompt[:40], 10, after=greedy)
+    engine.run_until_idle()
+    assert greedy.tokens == other.tokens == alone(prompt[:40], 10) and c["forked_requests"] - forked == 4

@@ -2,7 +2,7 @@
 a row restarted inside a cached prefix, `recompute_span` tokens before the reuse point, gives the
 logits of a run from position 0, and fewer tokens do not; the engine with the cache gives every
 request the tokens it gets without it, with and without speculation; the pool's keys, holds and
-least-recently-used eviction.
+least-recently-used eviction; the n choices of a request forked from one prefill.
 
 fp32 throughout. A restarted row runs its chunks at other offsets than a run from position 0, so
 its logits equal those within fp32 rounding (observed about 2e-6 on logits of about 2; asserted
@@ -186,3 +186,33 @@ def test_preempted_request_reuses_its_own_blocks(model):
     (want, plain), (got, eng) = serve(False), serve(True)
     assert got == want and eng.counters["prefix_cache_hits"] >= 128
     assert eng.counters["prompt_tokens"] < plain.counters["prompt_tokens"]
+
+
+@pytest.mark.parametrize("k, caching", [(0, True), (2, True), (0, False)], ids=["cache", "cache-k2", "no-cache"])
+def test_n_choices_fork_with_speculation_preemption_and_no_cache(model, k, caching):
+    """n = 4 sampled choices of a 200-token prompt (a full block and 72 tokens), the three after
+    the first forked from its prefill: one prefill, its full block shared (5 blocks in use); with
+    7 blocks in all, the choices' third blocks run short and forked choices are preempted (their
+    shared block let go by reference count) and prefilled anew from their own prompt and tokens;
+    each choice's tokens are those its seed gives alone. With speculation (k = 2: the MTP block's
+    row, carry and pending row forked too) and without the prefix cache."""
+    from dsv4_jax.model.cache import block_bytes
+
+    per = block_bytes(CFG, 128, jnp.float32)
+    prompt = np.random.default_rng(4).integers(0, CFG.vocab_size, 200).tolist()
+    kw = dict(temperature=0.8, top_k=30)
+    eng = Engine(model, slots=4, max_len=320, prefill_chunk=64, speculative_tokens=k, kv_cache_memory=7 * per,
+                 enable_prefix_caching=caching)
+    first = eng.submit(prompt, 70, seed=5, **kw)
+    reqs = [first] + [eng.submit(prompt, 70, seed=5 + i, after=first, **kw) for i in range(1, 4)]
+    while not first.tokens:
+        eng.step()
+    assert [len(r.tokens) for r in reqs] == [1] * 4 and eng.pool.used == 1 + 4
+    assert eng.counters["prompt_tokens"] == len(prompt) and eng.counters["forked_requests"] == 3
+    eng.run_until_idle()
+    assert eng.counters["preemptions"] > 0 and max(r.preempted for r in reqs[1:]) > 0 and eng.pool.used == 0
+    for i, r in enumerate(reqs):
+        single = eng.submit(prompt, 70, seed=5 + i, **kw)
+        eng.run_until_idle()
+        assert r.tokens == single.tokens and len(r.tokens) == 70
+    assert len({tuple(r.tokens) for r in reqs}) > 1

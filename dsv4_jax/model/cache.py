@@ -216,6 +216,22 @@ def put_rows(cache: dict, rows: jnp.ndarray, sub: dict) -> dict:
     return jax.tree_util.tree_map_with_path(put, cache, sub)
 
 
+def fork_rows(cache: dict, src: jnp.ndarray, dst: jnp.ndarray, src_block: jnp.ndarray | None = None,
+              dst_block: jnp.ndarray | None = None) -> dict:
+    """cache with row src[i] (int `[P]`) copied into row dst[i] (`[P]`): its position, table,
+    reuse point, rings and compressor states; and in every pool, block src_block[i] copied into
+    block dst_block[i] (`[P]`): the new row's own copy of the partly filled block it goes on
+    writing into, its full blocks shared by the table. A dst or dst_block past the last is
+    padding: nothing written."""
+    def copy(path, a):
+        axis = _per_row(path)
+        if axis is None:
+            return a.at[:, dst_block].set(a[:, src_block], mode="drop")
+        return a.at[dst].set(a[src], mode="drop") if axis == 0 else a.at[:, dst].set(a[:, src], mode="drop")
+
+    return jax.tree_util.tree_map_with_path(copy, cache)
+
+
 def _by_group(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int, axis: int = 0):
     """pool's block axis `axis` and the rows of blocks `[B, nb]` cut into `groups` equal groups,
     the table's ids made local to their group: row group g holds its blocks in block group g (as

@@ -11,7 +11,8 @@ hash chain over the tokens up to its end (`chain`), so equal keys mean equal pre
 stays cached after the last sequence holding it lets it go, until a block is needed and none is
 free: then the least recently released cached block is evicted (the later blocks of a sequence
 first, since a block is only found through the blocks before it). A request looks its prefix up
-block by block (`lookup`) and shares the blocks found; each block counts the sequences holding it.
+block by block (`lookup`) and shares the blocks found; each block counts the sequences holding it
+(a forked sequence holds its parent's full blocks too: `hold`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,17 @@ class BlockPool:
             b = self._by_key.get((s, key))
             if b is None:
                 break
+            out.append(b)
+        self.hold(row, out)
+        return out
+
+    def hold(self, row: int, blocks: list[int]) -> None:
+        """Each of blocks (of row's shard: cached, or held by another sequence, as the full
+        blocks of a prompt that a fork shares) held once more."""
+        s = self.shard_of(row)
+        for b in blocks:
             self._idle[s].pop(b, None)
             self._refs[b] += 1
-            out.append(b)
-        return out
 
     def cache(self, row: int, block: int, key: bytes) -> None:
         """Records that `block` (held by row) is full and holds the prefix keyed `key`; a no-op

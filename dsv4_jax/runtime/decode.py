@@ -13,7 +13,9 @@ own position (dsv4_jax/model/cache.py). The programs:
 - `verify`: one draft-then-verify round for every active row (dsv4_jax/runtime/speculative.py);
   1 to k + 1 tokens each.
 - `set_history`: a row's penalty history (its prompt's tokens, the counts of those it drew).
-The three token programs return `Drawn`: the tokens and, when a row asks, their log-probabilities.
+- `fork`: a row whose prompt was just prefilled copied into other rows, each drawing its own first
+  token from the prompt's logits (the choices of an `n` > 1 request: one prefill, n decodes).
+The four token programs return `Drawn`: the tokens and, when a row asks, their log-probabilities.
 - `decode_loop`, `verify_loop`: `generate`'s whole decode as one program: a `lax.while_loop` over
   the bodies of `decode` and `verify` until every row is done.
 
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.model.cache import put_rows, reset_rows, take_rows
+from dsv4_jax.model.cache import fork_rows, put_rows, reset_rows, take_rows
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.deepseek_v4 import DeepseekV4, step
 from dsv4_jax.model.mtp import init_mtp_cache
@@ -44,7 +46,9 @@ class DecodeState(NamedTuple):
     MTP block's cache, the main model's hidden streams at each row's last prompt position so far
     (`carry` `[R, hc, D]`) and the block's rows still to run (`pending`, speculative.Pending); for
     penalties (an engine's state), each row's output token counts (`counts` int32 `[R, V]`, of the
-    tokens fed back so far) and its prompt's tokens (`prompt` bool `[R, V]`, `set_history`)."""
+    tokens fed back so far) and its prompt's tokens (`prompt` bool `[R, V]`, `set_history`); for
+    forks (an engine's state), each row's logits after the last token of its prompt (`logits`
+    fp32 `[R, V]`, set by `prefill` where a prompt ends), which `fork` draws from."""
 
     cache: dict
     mtp_cache: dict | None = None
@@ -52,6 +56,7 @@ class DecodeState(NamedTuple):
     pending: speculative.Pending | None = None
     counts: jnp.ndarray | None = None
     prompt: jnp.ndarray | None = None
+    logits: jnp.ndarray | None = None
 
 
 class Drawn(NamedTuple):
@@ -150,12 +155,13 @@ def set_history(state: DecodeState, row, prompt, counts) -> DecodeState:
 
 def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,
               block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto",
-              penalties: bool = False) -> DecodeState:
+              penalties: bool = False, forks: bool = False) -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
     `num_blocks` blocks of `block_size` tokens, entries as kv_cache_dtype: cache.init_cache); with
     k drafts a round, rings k slots wider and the MTP block's state (speculative.py); with
-    penalties, the rows' token counts and prompt tokens. Committed to the devices, as every
-    program's output is, so that the first call compiles the program the later ones run."""
+    penalties, the rows' token counts and prompt tokens; with forks, the rows' prompt logits.
+    Committed to the devices, as every program's output is, so that the first call compiles the
+    program the later ones run."""
     cfg = model.config if cfg is None else cfg
     state = DecodeState(model.new_cache(rows, max_len, cfg, lookahead=k, block_size=block_size, num_blocks=num_blocks,
                                         kv_cache_dtype=kv_cache_dtype))
@@ -171,6 +177,9 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
         with model.on_mesh():
             state = state._replace(counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                                    prompt=jnp.zeros((rows, cfg.vocab_size), bool))
+    if forks:
+        with model.on_mesh():
+            state = state._replace(logits=jnp.zeros((rows, cfg.vocab_size), jnp.float32))
     return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
 
 
@@ -189,7 +198,8 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
     position inside a cached prefix whose blocks the row's table names (cache.py, prefix caching).
     With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row whose prompt
     `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its last prompt
-    position and the token sampled after it. Returns (each row's token sampled after its chunk,
+    position and the token sampled after it. A state with `logits` keeps those of the rows whose
+    prompt ends here (`fork` draws from them). Returns (each row's token sampled after its chunk,
     Drawn `[R]`, the state)."""
     whole = rows is None
     at = slice(None) if whole else rows
@@ -199,6 +209,10 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
     out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole)
     drawn = sample.draw(out.logits[:, 0], _rows(state, at))
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
+    if state.logits is not None:
+        R = ids.shape[0]
+        ending = jnp.where(ends, jnp.arange(R) if whole else rows, state.logits.shape[0])  # the others: dropped
+        state = state._replace(logits=state.logits.at[ending].set(out.logits[:, 0], mode="drop"))
     if mtp is not None:
         # The block runs one position behind the model (speculative.prefill_block).
         block = state.mtp_cache if whole else reset_rows(take_rows(state.mtp_cache, rows), restart,
@@ -208,6 +222,29 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
         state = state._replace(mtp_cache=block if whole else put_rows(state.mtp_cache, rows, block),
                                carry=state.carry.at[at].set(carry),
                                pending=speculative.start(state.pending, at, ends, carry, drawn.tokens))
+    return drawn, state
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def fork(state: DecodeState, src, dst, src_block, dst_block, sample: Sampling) -> tuple[Drawn, DecodeState]:
+    """Row src[i] (int32 `[P]`), its prompt just prefilled, copied into row dst[i] (`[P]`; a row
+    past the last: padding, nothing written): its position, table, rings and compressor states
+    (cache.fork_rows, which also copies pool block src_block[i] into dst_block[i], the block the
+    new row writes on into), with speculation the MTP block's row, the carry and the pending row;
+    each new row then draws its first token from src[i]'s prompt logits (`logits`) with its own
+    sampling `sample` (`[P]`) and penalty history (set before, as for any new request), and that
+    token becomes its pending row's. Returns (Drawn `[P]`, the state)."""
+    cache = fork_rows(state.cache, src, dst, src_block, dst_block)
+    drawn = sample.draw(state.logits[src], _rows(state, dst))  # a padding dst reads a clamped row: unused
+    state = state._replace(cache=cache)
+    if state.mtp_cache is not None:
+        def copy(a):
+            return a.at[dst].set(a[src], mode="drop")
+
+        p = state.pending
+        ids = copy(p.ids).at[dst, 0].set(drawn.tokens, mode="drop")
+        state = state._replace(mtp_cache=fork_rows(state.mtp_cache, src, dst), carry=copy(state.carry),
+                               pending=speculative.Pending(copy(p.hidden), ids, copy(p.n)))
     return drawn, state
 
 

@@ -25,8 +25,10 @@ of `block_size` tokens, `num_blocks` of them (default: enough for every slot at 
 request is admitted when a slot is free and the blocks for its whole prompt are; a decode step
 first gives every generating request the blocks it will write, and when there are none left the
 newest running request is preempted: its blocks and slot are freed and it waits again at the
-front of the queue, to be prefilled anew with its prompt and the tokens it has produced (their
-sampling keys unchanged), then to go on where it stopped; nothing it streamed changes.
+front of the queue, to be prefilled anew with its prompt and the tokens it has produced, then to
+go on where it stopped, its next token drawn with the key it would have had (with speculation
+its MTP block's pending row starts from its last token, as before); nothing it streamed changes,
+sampled or greedy.
 
 With prefix caching (`enable_prefix_caching`, on by default), full blocks stay cached by the
 tokens up to their end (dsv4_jax/runtime/blocks.py), also after their request ends. An admitted
@@ -37,7 +39,8 @@ entries read from the shared blocks (dsv4_jax/model/cache.py), then the rest of 
 as usual. Its tokens are those it gets without the cache. The counters `prefix_cache_queries`
 and `prefix_cache_hits` count the admitted prompt tokens looked up and those found (vLLM's).
 
-Every shape is bucketed: the decode program is one, the prefill program one per (rows, chunk)
+Every shape is bucketed: the decode program is one, the fork one (`fork_rows` choices, padded),
+the prefill program one per (rows, chunk)
 pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
 `warmup()` (which also runs each program once) nothing compiles, whatever the requests. A
 prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
@@ -60,9 +63,25 @@ each slot's token counts kept in the state, min_p), a request may carry:
   the request stops ("stop") once the constraint is done;
 - logprobs (SamplingParams.logprobs): each token's and the most likely tokens' log-probabilities
   under the model's raw distribution, in `request.logprobs`, one `TokenLogprobs` per token;
-- `after`, another request with the same prompt (the choices of an `n` > 1 request): with prefix
-  caching it is admitted once that one's prompt is prefilled, so it starts from the cached
-  blocks of the shared prompt rather than prefilling it again.
+- `after`, another request with the same prompt (the choices of an `n` > 1 request, below).
+
+The choices of an `n` > 1 request share one prefill: each choice after the first is submitted
+`after` the first (its parent) and waits until the parent's prompt is prefilled. In the step that
+prefills the parent's last prompt chunk, its waiting choices are forked from its slot
+(`decode.fork`, one program): each takes a free slot, its row gets a copy of the parent's row
+(position, window rings, compressor states; with speculation the MTP block's row, carry and
+pending row) and its penalty history as any new request does, and it draws its first token from
+the parent's prompt logits (kept in the state by the prefill) with its own sampling and seed,
+so its tokens are those it gets alone. The prompt's full blocks are shared by reference count
+(`BlockPool.hold`); the partly filled last block, which each choice goes on writing into, is
+copied into a fresh block of its own (a copy now rather than copy-on-write: every choice writes
+into it at its first decode step anyway). A choice that finds no free slot on the parent's
+device (on a mesh each device's slots draw on its own blocks) or no block then is admitted later
+as any request: from the prompt's cached blocks with prefix caching, else prefilled in full; so
+is every choice in deterministic mode, where no prefill program runs. A forked choice is
+otherwise a request like any other: preempted, it lets go of its blocks (the shared ones by
+reference count) and is prefilled anew from its own prompt and tokens. The counter
+`forked_requests` counts the choices forked.
 
 Deterministic mode (`deterministic`): a request's tokens do not depend on what else runs or on
 how its prompt is cut. Every step is the one decode program over all slots, a fixed shape, and a
@@ -96,6 +115,7 @@ from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucke
 from .generate import run_request
 from .request import (MAX_SPECULATIVE_TOKENS, Request, RequestError, SamplingParams, check_prompt,
                       check_speculative_tokens, validate_request)
+from .sampling import only_token
 
 
 KV_CACHE_FRACTION = 0.9  # of a device's free memory for the cache when kv_cache_memory is not given
@@ -171,7 +191,7 @@ class EngineRequest:
     resume: list[int] | None = None  # after a preemption: the prompt and the tokens it had drawn but the last
     preempted: int = 0
     constraint: typing.Any = None  # a grammar's host state (module doc)
-    after: "EngineRequest | None" = None  # admitted once this one's prompt is prefilled (module doc)
+    after: "EngineRequest | None" = None  # forked from this one once its prompt is prefilled (module doc)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     @property
@@ -262,6 +282,8 @@ class Engine:
         self.shared = np.zeros((self.slots,), np.int32)  # each slot's reuse point (cache.py's `shared`)
         self.prefix_caching = enable_prefix_caching and self.paged
         self.pool = BlockPool(self.num_blocks, self.slots, self.row_shards, caching=self.prefix_caching)
+        # The most choices one fork program starts: the other slots of the parent's device.
+        self.fork_rows = 0 if deterministic else self.pool.rows_per_shard - 1
         self.recompute = recompute_span(cfg, lookahead_layers=1 if self.k else 0)
         self._table_changed = False
         self.waiting: collections.deque[EngineRequest] = collections.deque()
@@ -274,6 +296,8 @@ class Engine:
         self.counters = collections.Counter()
         if self.prefix_caching:
             self.counters["prefix_cache_queries"] = self.counters["prefix_cache_hits"] = 0
+        if self.fork_rows:
+            self.counters["forked_requests"] = 0
         if self.k:  # reported from the start, zero until a round runs
             for name in (*speculative.SPEC_DECODE_COUNTERS, *map(speculative.accepted_at, range(self.k))):
                 self.counters[name] = 0
@@ -334,7 +358,7 @@ class Engine:
             if queued >= self.max_queue:
                 raise QueueFull(f"{queued} requests are waiting for a slot already (the queue holds {self.max_queue})")
             req = EngineRequest(next(self.ids), prompt, max_tokens, sampling, on_token, arrival=time.monotonic(),
-                                constraint=constraint, after=after if self.prefix_caching else None)
+                                constraint=constraint, after=after)
             self.waiting.append(req)
             self.counters["requests"] += 1
             self.wake.notify()
@@ -351,7 +375,8 @@ class Engine:
         drafts), the MTP block's state. The caches hold k positions past max_len (a verification
         writes k past the last token it keeps)."""
         return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k, block_size=self.block_size,
-                                num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype, penalties=True)
+                                num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype, penalties=True,
+                                forks=True)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -363,14 +388,7 @@ class Engine:
             while self.free and (req := next((r for r in self.waiting if r.ready), None)) is not None:
                 if not self._admit(req, slot := self._slot_for(req)):
                     break
-                self.waiting.remove(req)
-                self.free.remove(slot)
-                req.slot = slot
-                if req.admitted is None:
-                    req.admitted = time.monotonic()
-                self.running[req.slot] = req
-                if req.sampling.penalized:
-                    self._set_history(req)
+                self._place(req, slot)
         if self.deterministic:
             running = self._make_room(list(self.running.values()))
             self._upload_table()
@@ -424,6 +442,73 @@ class Engine:
         if self.prefix_caching:
             self.counters["prefix_cache_queries"] += len(context)
             self.counters["prefix_cache_hits"] += reuse
+        return True
+
+    def _place(self, req: EngineRequest, slot: int) -> None:
+        """Moves req (given its blocks) from the queue into slot, with its penalty history."""
+        self.waiting.remove(req)
+        self.free.remove(slot)
+        req.slot = slot
+        if req.admitted is None:
+            req.admitted = time.monotonic()
+        self.running[slot] = req
+        if req.sampling.penalized:
+            self._set_history(req)
+
+    def _fork(self, parents: list[EngineRequest]) -> None:
+        """Starts the waiting choices submitted `after` parents (whose prompts were just prefilled,
+        their first tokens not yet emitted: a parent that stops at once still holds its slot) from
+        copies of the parents' slots (module doc), as many as free slots on each parent's device,
+        blocks and `fork_rows` allow; the rest are admitted later as any request."""
+        P = self.fork_rows
+        src, dst, src_block, dst_block = self._no_forks()
+        forked: dict[int, EngineRequest] = {}
+        with self.lock:
+            for parent in parents:
+                device = self.pool.shard_of(parent.slot)
+                for req in [r for r in self.waiting if r.after is parent and r.admitted is None and not r.cancelled
+                            and r.prompt == parent.prompt]:
+                    slot = next((s for s in self.free if self.pool.shard_of(s) == device), None)
+                    if len(forked) == P or slot is None or not self._share(parent, req, slot):
+                        break
+                    i = len(forked)
+                    src[i], dst[i] = parent.slot, slot
+                    if self.paged:
+                        full = len(parent.prompt) // self.block_size
+                        src_block[i], dst_block[i] = parent.blocks[full], req.blocks[full]
+                    self._place(req, slot)
+                    forked[i] = req
+        if not forked:
+            return
+        with self.model.on_mesh():
+            drawn, self.state = decode.fork(self.state, src, dst, src_block, dst_block, self._sampling(forked, P))
+        self._upload_table()  # after the fork, which copied the parents' table rows into the new rows
+        drawn = self._fetch(drawn, forked.values())
+        self.counters["forked_requests"] += len(forked)
+        for i, req in forked.items():
+            self._emit_drawn(req, drawn, i)
+
+    def _no_forks(self) -> tuple[np.ndarray, ...]:
+        """`decode.fork`'s src, dst, src_block and dst_block `[fork_rows]`, every entry padding (a
+        row and a block past the last)."""
+        P = self.fork_rows
+        return (np.zeros(P, np.int32), np.full(P, self.slots, np.int32), np.zeros(P, np.int32),
+                np.full(P, self.num_blocks, np.int32))
+
+    def _share(self, parent: EngineRequest, req: EngineRequest, slot: int) -> bool:
+        """Gives req (a choice of parent's prompt, to fork into slot) parent's full prompt blocks,
+        held once more, and a fresh block for the partly filled last one and its first token (so
+        `_fork` copies parent's into it); False (nothing given) if the pool lacks it."""
+        if self.paged:
+            full = len(parent.prompt) // self.block_size
+            req.blocks = parent.blocks[:full]
+            self.pool.hold(slot, req.blocks)
+            if not self._grow(req, slot, len(req.prompt) + 1):
+                self.pool.give(slot, req.blocks)
+                req.blocks = []
+                return False
+            self.shared[slot] = full * self.block_size  # its entries before it are the parent's
+        req.prefilled, req.keys, req.cached = len(req.prompt), list(parent.keys), parent.cached
         return True
 
     def _set_history(self, req: EngineRequest) -> None:
@@ -519,12 +604,12 @@ class Engine:
             self._finish(req, "cancelled")
 
     def _sampling(self, reqs: dict[int, EngineRequest], rows: int, masks: bool = True) -> decode.Sampling:
-        """How the requests at those rows (of `rows`) draw; the other rows greedy. A request
-        prefilled anew after a preemption draws the token it had drawn last with that token's key.
-        A constrained request's row gets the tokens its constraint allows next (unless not
+        """How the requests at those rows (of `rows`) draw, each its next token (its key's counter:
+        the tokens it has; also after a preemption, whose prefill draws nothing); the other rows
+        greedy. A constrained request's row gets the tokens its constraint allows next (unless not
         `masks`: `_fill_masks` does it later)."""
         s = decode.Sampling.rows(rows, self.cfg.vocab_size, {i: r.sampling for i, r in reqs.items()},
-                                 {i: len(r.tokens) - (r.resume is not None) for i, r in reqs.items()})
+                                 {i: len(r.tokens) for i, r in reqs.items()})
         if masks:
             self._fill_masks(s, reqs)
         return s
@@ -552,14 +637,22 @@ class Engine:
         # Only the requests whose first token this chunk draws ask their constraint for a mask.
         drawing = {i: r for i, (r, n) in enumerate(chosen) if r.prefilled + n == len(r.context) and r.resume is None}
         sample = self._sampling(drawing, R)
+        for i, (r, n) in enumerate(chosen):
+            if r.prefilled + n == len(r.context) and r.resume is not None:
+                # Back where it was preempted, its row draws the last token it had again, exactly: with
+                # speculation that token starts the MTP block's pending row, and its drafts, as before.
+                sample.controls.mask[i] = only_token(r.tokens[-1], self.cfg.vocab_size)
         with self.model.on_mesh():
             drawn, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids, n_valid, start, ends,
                                                sample, self.cfg)
         drawn = self._fetch(drawn, drawing.values())
         self.counters["prompt_tokens"] += int(n_valid.sum())
-        for i, (r, n) in enumerate(chosen):
+        for r, n in chosen:
             r.prefilled += n
             self._cache_full_blocks(r)
+        if self.fork_rows:
+            self._fork(list(drawing.values()))
+        for i, (r, n) in enumerate(chosen):
             if r.prefilled == len(r.context):
                 if r.resume is None:
                     self._emit_drawn(r, drawn, i)
@@ -730,13 +823,14 @@ class Engine:
             self.step()
 
     def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
-        """Compiles every program the engine can run (the decode step, and the prefill for every
-        rows x chunk bucket) and runs each on random token ids in rows that hold (no token counts,
-        so nothing in the cache changes; the decode step `decode_runs` times, each with other
-        ids); returns how many programs it compiled. `progress(i, n, name)` is called as the
-        i-th of the n programs is ready. Running them matters on CPU: there the experts are
-        branches of a switch (dsv4_jax/model/layer_weights.py), and a program's first run through a
-        branch is slow, a cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
+        """Compiles every program the engine can run (the decode step, the fork, and the prefill
+        for every rows x chunk bucket) and runs each on random token ids in rows that hold (no
+        token counts, so nothing in the cache changes; a fork of padding only; the decode step
+        `decode_runs` times, each with other ids); returns how many programs it compiled.
+        `progress(i, n, name)` is called as the i-th of the n programs is ready. Running them
+        matters on CPU: there the experts are branches of a switch
+        (dsv4_jax/model/layer_weights.py), and a program's first run through a branch is slow, a
+        cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
         # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
         powers = range((self.slots - 1).bit_length() + 1)
         rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
@@ -759,10 +853,16 @@ class Engine:
         def penalty_history():
             self.state = decode.set_history(self.state, np.int32(0), np.zeros(V, bool), np.zeros(V, np.int32))
 
+        def no_fork():  # every row padding
+            with self.model.on_mesh():
+                _, self.state = decode.fork(self.state, *self._no_forks(), self._sampling({}, self.fork_rows))
+
         programs = [(f"decode step ({S} slots)", decode_steps)]
         if not self.k:
             programs.append(("decode step in two halves (constrained requests)", two_halves))
         programs.append(("penalty history", penalty_history))
+        if self.fork_rows:
+            programs.append((f"fork (up to {self.fork_rows} choices)", no_fork))
         total = len(programs) + len(rows) * len(chunks)
         report = progress or (lambda *_: None)
         for i, (name, run) in enumerate(programs, 1):

@@ -60,6 +60,13 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def only_token(token: int, vocab_size: int) -> np.ndarray:
+    """A bitmask row int32 `[ceil(V / 32)]` (Controls.mask) allowing `token` alone."""
+    row = np.zeros(mask_words(vocab_size), np.uint32)
+    row[token // 32] = 1 << (token % 32)
+    return row.view(np.int32)
+
+
 def allowed(mask: jnp.ndarray, vocab_size: int) -> jnp.ndarray:
     """A bitmask int32 `[R, W]` (Controls.mask) as bool `[R, V]`."""
     v = jnp.arange(vocab_size)

@@ -23,7 +23,7 @@ Request fields honoured: `model` (optional; another name than --served-model-nam
 `top_k` (0 or -1 = off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
 `logit_bias`, `min_tokens` (dsv4_jax/runtime/sampling.py: applied on the device, per row), `seed`
 (default: a random one; choice i of a request draws with seed + i), `n` (choices per prompt, up to
-MAX_N; with prefix caching the later choices start from the first one's cached prompt blocks),
+MAX_N; one prefill: the later choices are forked from the first one's prefilled prompt),
 `stop` (a string or a list: matched on the output text, which is cut before the first match),
 `stop_token_ids`, `ignore_eos` (else the checkpoint's eos ids, from generation_config.json or
 config.json, stop a request), `speculative_tokens` (with --speculative-tokens K: drafts a round for
@@ -476,8 +476,8 @@ class Generation:
     each choice has its finish reason.
 
     A request of P prompts and n choices runs P x n engine requests, choice p * n + j drawing with
-    seed + p * n + j; with prefix caching the choices after a prompt's first are admitted once its
-    prompt is prefilled and start from its cached blocks (Engine's `after`). The engine thread's
+    seed + p * n + j; the choices after a prompt's first share its prefill: they are forked from
+    its slot once its prompt is prefilled (Engine's `after`). The engine thread's
     callback puts (choice, token, log-probabilities, engine finish reason) on an asyncio queue with
     `call_soon_threadsafe`; the handler's task turns tokens into text (`ChoiceOutput`)."""
 
