@@ -5,7 +5,8 @@ controls, and none of them compiling a program after warm-up.
 The random model writes no tool call or JSON of its own: what it writes under a grammar is what
 the grammar lets through, so every constrained reply must parse and validate, for every seed.
 The parsers themselves are tested on every split of known texts (tests/test_tool_calls.py,
-tests/test_reasoning.py); here streamed and whole replies must agree.
+tests/test_reasoning.py); here streamed and whole replies must agree, and a known tool-call text
+forced through the server (a one-text `structured_outputs` choice) streams a character at a time.
 """
 
 import concurrent.futures
@@ -22,7 +23,7 @@ import dsv4_jax
 from convert.cli import convert
 from dsv4_jax.model.deepseek_v4 import forward
 from dsv4_jax.runtime.compile_cache import CompileCounter
-from dsv4_jax.serving import serve
+from dsv4_jax.serving import chat, serve
 from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
 FLAGS = ["--dtype", "float32", "--slots", "4", "--max-len", "2048", "--prefill-chunk", "128", "--compile-cache", "off"]
@@ -102,6 +103,31 @@ def _calls(choice) -> list[dict]:
 def _valid_call(call: dict, tools: list[dict]):
     spec = next(t["function"] for t in tools if t["function"]["name"] == call["name"])
     jsonschema.validate(json.loads(call["arguments"]), spec["parameters"])
+
+
+def test_tool_call_text_cut_at_every_character_gives_the_same_calls(live):
+    """The model's tool-call text through the server: a `structured_outputs` choice of one known
+    DSML text (content, then two calls) makes the random model write exactly that text. The test
+    tokenizer spells it one byte per token, so streamed it arrives cut at every character (the
+    detokenizer holds a character's bytes together); whole and streamed, for 4 seeds, the server
+    parses it into the same content and `tool_calls`."""
+    service, client, _ = live
+    calls = [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}},
+             {"function": {"name": "search", "arguments": {"exact": True, "tags": ["a", "c"]}}}]
+    text = "Let me look.\n\n" + chat.tool_calls_block(calls)
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    choice = {"structured_outputs": {"choice": [text]}}
+    for seed in range(4):
+        kw = dict(tools=[WEATHER, SEARCH], seed=seed, max_tokens=len(text.encode()) + 16)
+        response = client.chat.completions.create(model="tiny-ckpt", messages=USER, temperature=1.0, **kw,
+                                                  extra_body=choice)
+        whole = response.choices[0]
+        assert response.usage.completion_tokens == len(text.encode())  # a token a byte: every cut
+        assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me look."
+        assert [(c["name"], json.loads(c["arguments"])) for c in _calls(whole)] == expected
+        content, _, streamed, finish = _chat(client, stream=True, extra_body=choice, **kw)
+        assert finish == "tool_calls" and content == "Let me look."
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == expected
 
 
 def test_required_and_named_tool_calls_are_well_formed_streamed_or_not(live):
