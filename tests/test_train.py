@@ -24,7 +24,7 @@ from dsv4_jax.training import data, objective
 from dsv4_jax.training.trainer import Trainer, TrainSettings, init_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 40
+STEPS = 60  # the tiny preset's run: at 40 steps the held-out loss is barely below the unigram one
 
 
 def _corpus(tmp_path, n_files=30, size=6000):
