@@ -121,9 +121,9 @@ def live(setup):
     args = serve.parse_args(["--ckpt", str(setup["ckpt"]), *FLAGS])
     logs = []
     service = serve.load_service(args, log=logs.append)
-    # decode, and prefill at 1 / 2 rows x 16 tokens
-    assert any(m.startswith("warm-up compiled 5 programs and ran them") for m in logs), logs
-    assert any(m.startswith("warm-up: 5/5 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
+    # decode (whole, in two halves), penalty history, the fork of n > 1 choices, and prefill at 1 / 2 rows x 16 tokens
+    assert any(m.startswith("warm-up compiled 6 programs and ran them") for m in logs), logs
+    assert any(m.startswith("warm-up: 6/6 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
     with serving(service, args) as port:
         yield Live(service, port)
     assert not service.engine.alive()  # the lifespan stopped the engine

@@ -509,14 +509,15 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
     try:
         warm = _warmup_lines(lines)
         assert warm[0].endswith("compiling and running every program before the port opens (--no-warmup skips it)")
-        assert [re.sub(r" \([\d.]+s\)$", "", w) for w in warm[1:7]] == [  # 3 slots: prefill of 3 rows too
-            "dsv4-serve: warm-up: 1/6 decode step (3 slots): compiled, run",
-            "dsv4-serve: warm-up: 2/6 decode step in two halves (constrained requests): compiled, run",
-            "dsv4-serve: warm-up: 3/6 penalty history: compiled, run",
-            "dsv4-serve: warm-up: 4/6 prefill (1 row x 16 tokens): compiled, run",
-            "dsv4-serve: warm-up: 5/6 prefill (2 rows x 16 tokens): compiled, run",
-            "dsv4-serve: warm-up: 6/6 prefill (3 rows x 16 tokens): compiled, run"], warm
-        assert re.fullmatch(r"dsv4-serve: warm-up compiled 6 programs and ran them in [\d.]+s", warm[7]), warm
+        assert [re.sub(r" \([\d.]+s\)$", "", w) for w in warm[1:8]] == [  # 3 slots: prefill of 3 rows too
+            "dsv4-serve: warm-up: 1/7 decode step (3 slots): compiled, run",
+            "dsv4-serve: warm-up: 2/7 decode step in two halves (constrained requests): compiled, run",
+            "dsv4-serve: warm-up: 3/7 penalty history: compiled, run",
+            "dsv4-serve: warm-up: 4/7 fork (up to 2 choices): compiled, run",
+            "dsv4-serve: warm-up: 5/7 prefill (1 row x 16 tokens): compiled, run",
+            "dsv4-serve: warm-up: 6/7 prefill (2 rows x 16 tokens): compiled, run",
+            "dsv4-serve: warm-up: 7/7 prefill (3 rows x 16 tokens): compiled, run"], warm
+        assert re.fullmatch(r"dsv4-serve: warm-up compiled 7 programs and ran them in [\d.]+s", warm[8]), warm
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -525,9 +526,9 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
     proc, url, lines = _start(ckpt, cache)
     try:
         warm = _warmup_lines(lines)
-        assert all("loaded from the compilation cache, run" in w for w in warm[1:7]), warm
-        assert re.fullmatch(r"dsv4-serve: warm-up loaded 6 programs from the compilation cache and ran them in "
-                            r"[\d.]+s", warm[7]), warm
+        assert all("loaded from the compilation cache, run" in w for w in warm[1:8]), warm
+        assert re.fullmatch(r"dsv4-serve: warm-up loaded 7 programs from the compilation cache and ran them in "
+                            r"[\d.]+s", warm[8]), warm
         port = int(url.rsplit(":", 1)[1])
         short, long_, whole = [], [], []
         threads = [threading.Thread(target=_stream, args=(url, n, out)) for n, out in ((40, short), (2000, long_))]
