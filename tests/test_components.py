@@ -26,7 +26,7 @@ from dsv4_jax.model import attention as ours_attn  # noqa: E402
 from dsv4_jax.model import layer_weights, moe, xla_cpu  # noqa: E402
 from dsv4_jax.model.linear import dense  # noqa: E402
 from dsv4_jax.model.config import ModelConfig, Yarn  # noqa: E402
-from dsv4_jax.model.layer_kinds import CSA, HCA  # noqa: E402
+from dsv4_jax.model.layer_kinds import BY_RATIO, CSA, HCA  # noqa: E402
 from dsv4_jax.model.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
 from dsv4_jax.model.indexer import indexer_scores, select_topk  # noqa: E402
 from dsv4_jax.model.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
@@ -45,7 +45,7 @@ CONFIGS = {"tiny": hf_oracle.TINY, "flash": hf_oracle.FLASH_SHAPED}
 
 
 def _fresh_state(batch: int, ratio: int, width: int):
-    rows = (2 if ratio == CSA else 1) * ratio
+    rows = BY_RATIO[ratio].state_rows()
     return (jnp.zeros((batch, rows, width), jnp.float32), jnp.full((batch, rows, width), -jnp.inf, jnp.float32))
 
 
@@ -54,7 +54,7 @@ def _compress_blocks(cp, x, ratio, freqs, cfg):
     """Every complete block of a whole sequence, through the chunk compressor from position 0."""
     B, S, _ = x.shape
     sa, sz = _fresh_state(B, ratio, cp["wkv"].shape[0])
-    entries, _, _, _ = ours_attn.compress_chunk(cp, x, sa, sz, jnp.int32(0), ratio, freqs, cfg)
+    entries = ours_attn.compress_chunk(cp, x, sa, sz, jnp.int32(0), ratio, freqs, cfg)[0]
     return entries[:, : S // ratio]
 
 

@@ -17,6 +17,7 @@ A query's keys are its window and its compressed rows, in one softmax with the p
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,31 +116,117 @@ def ring_writes(p0: jnp.ndarray, n_valid: jnp.ndarray, T: int, ring: int) -> tup
     return jnp.clip(rows, 0), slots
 
 
+class StateWrites(NamedTuple):
+    """Rows of a compressor's state for the caller to write: fp32 `[B, m, C]` each, into the row's
+    state slots `slots` int32 `[B, m]` (out of range: not written)."""
+
+    a: jnp.ndarray
+    z: jnp.ndarray
+    slots: jnp.ndarray
+
+
+def state_writes_rows(ratio: int, T: int, S: int) -> int:
+    """m of the StateWrites a chunk of T tokens gives a ratio's compressor with S state slots."""
+    return min(T, S) if BY_RATIO[ratio].overlap else 1 + min(T, S - 1)
+
+
+def fold_point(p0: jnp.ndarray, n_valid: jnp.ndarray, lookahead: int) -> jnp.ndarray:
+    """Where a non-overlapping compressor's folded state row ends after a chunk at p0 `[B]` with
+    n_valid `[B]` real tokens (int32 `[B]`): all of them but the last `lookahead`, which a
+    verification may reject (the row's position never moves back further, nor before p0)."""
+    return jnp.maximum(p0, p0 + n_valid - lookahead)
+
+
+def _fold(a: jnp.ndarray, z: jnp.ndarray, use: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The rows of a `[B, N, C]` and z `[B, N, C]` where `use` (bool `[B, N]`) folded into one row
+    each `[B, C]`: z the log-sum-exp of theirs, a the z-softmax-weighted sum of theirs, so that in
+    a softmax pool the row weighs as they do together; (0, -inf) where none is used."""
+    z = jnp.where(use[..., None], z, -jnp.inf)
+    m = jnp.max(z, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(z - m)
+    total = jnp.sum(w, axis=1)
+    some = total > 0
+    safe = jnp.where(some, total, 1.0)
+    folded_a = jnp.sum(w * jnp.where(use[..., None], a, 0.0), axis=1) / safe
+    return jnp.where(some, folded_a, 0.0), jnp.where(some, m[:, 0] + jnp.log(safe), -jnp.inf)
+
+
+def _ring_rows(sa, sz, held, missing):
+    """State ring rows at positions held int32 `[B, N]` (slot s % S), (0, -inf) where missing."""
+    slots = (held % sa.shape[1])[..., None]
+    return (jnp.where(missing[..., None], 0.0, jnp.take_along_axis(sa, slots, axis=1)),
+            jnp.where(missing[..., None], -jnp.inf, jnp.take_along_axis(sz, slots, axis=1)))
+
+
+def _folded_rows(sa, sz, held, p0, folded):
+    """A non-overlapping compressor's state (module of compress_chunk) as rows at the positions held
+    `[B, ratio]` of the block p0 is in: the folded row at its first position when it holds some of
+    them, the unfolded ring rows (slots 1..) at theirs, (0, -inf) elsewhere."""
+    la = sa.shape[1] - 1
+    start = held[:, :1]
+    unfolded = (held >= jnp.maximum(folded, start[:, 0])[:, None]) & (held < p0[:, None])
+    a, z = _ring_rows(sa[:, 1:], sz[:, 1:], held, ~unfolded) if la else (
+        jnp.zeros(held.shape + sa.shape[-1:]), jnp.full(held.shape + sa.shape[-1:], -jnp.inf))
+    own = ((start[:, 0] < folded) & (folded <= p0))[:, None] & (jnp.arange(held.shape[1]) == 0)[None, :]
+    return jnp.where(own[..., None], sa[:, :1], a), jnp.where(own[..., None], sz[:, :1], z)
+
+
+def _refold(sa, sz, a, z, p0, n_valid, folded, ratio) -> StateWrites:
+    """A non-overlapping compressor's state after the chunk (a, z `[B, T, C]` at p0): the positions of
+    the block the new fold point is in, before it, folded into slot 0 (from the old folded row,
+    the old ring and the chunk), written where the fold point moves; the chunk's last real rows
+    into the ring slots 1.."""
+    B, T, _ = a.shape
+    la = sa.shape[1] - 1
+    end = fold_point(p0, n_valid, la)
+    start = (end // ratio) * ratio
+    old_start = (p0 // ratio) * ratio
+    own = (old_start < folded) & (folded <= p0) & (old_start == start)
+    ring = folded[:, None] + (jnp.arange(la, dtype=jnp.int32)[None, :] - folded[:, None]) % max(la, 1)
+    t = p0[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    use = jnp.concatenate([own[:, None], (ring < p0[:, None]) & (ring >= start[:, None]),
+                           (t < (p0 + n_valid)[:, None]) & (t >= start[:, None]) & (t < end[:, None])], axis=1)
+    fa, fz = _fold(jnp.concatenate([sa, a], axis=1), jnp.concatenate([sz, z], axis=1), use)
+    rows, slots = ring_writes(p0, n_valid, T, la) if la else (jnp.zeros((B, 0), jnp.int32),) * 2
+    take = lambda v: jnp.take_along_axis(v, rows[..., None], axis=1)  # noqa: E731
+    unmoved = jnp.where(end == folded, la + 1, 0)[:, None]  # a row that folds nothing (e.g. held) keeps its state
+    return StateWrites(jnp.concatenate([fa[:, None], take(a)], axis=1), jnp.concatenate([fz[:, None], take(z)], axis=1),
+                       jnp.concatenate([unmoved, slots + 1], axis=1))
+
+
 def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
                    ratio: int, freqs: jnp.ndarray, cfg: ModelConfig, layer: jnp.ndarray | None = None,
-                   n_valid: jnp.ndarray | None = None):
+                   n_valid: jnp.ndarray | None = None, folded: jnp.ndarray | None = None):
     """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its state.
 
-    state_a/z fp32 `[B, S, C]` (S >= coff * ratio, coff = 2 with overlap): a ring of each row's
-    projections (`ape` included in z), position s in slot s % S. The blocks a chunk pools read
-    the positions of the previous block (with overlap) and the current one below p0 from it;
-    positions before 0 count as missing (weight 0). Slots of other positions are never read, so a
-    ring larger than coff * ratio lets a step write positions past those it keeps (speculative
-    drafts) without touching what later steps read.
+    The state, state_a/z fp32 `[B, S, C]` (the projections, and the gate scores with `ape`), holds
+    what the blocks a later chunk pools need of each row's positions before it:
+    - with overlap (ratio 4): a ring of the projections, position s in slot s % S (S >= 2 ratio):
+      the previous block and the current one;
+    - without (ratio 128): slot 0 folds the current block's positions before folded[b] (int32 `[B]`,
+      default p0) into one row (`_fold`: their scores' log-sum-exp and their softmax-weighted
+      projections, which weigh in the block's softmax pool as those positions do together), and
+      slots 1 .. S - 1 are a ring of the positions from folded[b] on (s in slot 1 + s % (S - 1)):
+      a step folds all its tokens but the last S - 1 (`fold_point`), which a verification may
+      reject (speculative drafts). So the state is 1 + lookahead rows, not a block's.
+    Positions before 0 count as missing (weight 0). Slots of other positions are never read, so a
+    ring larger than needed lets a step write positions past those it keeps without touching what
+    later steps read.
     n_valid int32 `[B]` (default T): row b's real tokens, the first n_valid[b] of its chunk; the
     rest are padding, which completes no block.
     Returns (entries `[B, n, d]`, row b's entry i being entry p0[b] // ratio + i, i < n =
     (T + ratio - 1) // ratio, zero where i >= n_new[b]; n_new int32 `[B]`, the blocks each row
-    completes; the chunk's projections a, z fp32 `[B, T, C]`, for the caller to write into the
-    ring: `ring_writes`).
-    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`, read at that layer only where
-    the state is used: a decode step (T = 1) reads it only when some row completes a block (a
-    slice taken before the `lax.cond` is copied out of the stack on every step).
+    completes; the StateWrites for the caller to write into the state).
+    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`; with overlap a decode step (T = 1)
+    reads the layer's ring only when some row completes a block (a slice taken before the
+    `lax.cond` is copied out of the stack on every step).
     """
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
-    coff = 2 if BY_RATIO[ratio].overlap else 1
+    overlap = BY_RATIO[ratio].overlap
+    coff = 2 if overlap else 1
     n = (T + ratio - 1) // ratio
     xf = x.astype(jnp.float32)
     pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -149,17 +236,23 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     n_new = (p0 + n_valid) // ratio - first
     base = (first - coff + 1) * ratio  # [B] the span's first position: the previous block, or the current one
 
+    def layer_state():
+        if layer is None:
+            return state_a, state_z
+        return tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (state_a, state_z))
+
+    if not overlap:
+        folded = p0 if folded is None else folded
+        sa, sz = layer_state()  # 1 + lookahead rows: read on every step
+
     def span():
-        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the ring
+        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the state
         (0 and -inf before position 0), then the chunk from row p0 - base."""
-        sa, sz = state_a, state_z
-        if layer is not None:
-            sa, sz = (jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (sa, sz))
         held = base[:, None] + jnp.arange(coff * ratio, dtype=jnp.int32)  # [B, coff * ratio] positions
-        slots = (held % sa.shape[1])[..., None]
-        missing = (held < 0)[..., None]
-        old_a = jnp.where(missing, 0.0, jnp.take_along_axis(sa, slots, axis=1))
-        old_z = jnp.where(missing, -jnp.inf, jnp.take_along_axis(sz, slots, axis=1))
+        if overlap:
+            old_a, old_z = _ring_rows(*layer_state(), held, held < 0)
+        else:
+            old_a, old_z = _folded_rows(sa, sz, held, p0, folded)
 
         def place(old, new, off, fill):
             row = jnp.concatenate([old, jnp.full((n * ratio, old.shape[-1]), fill, jnp.float32)])
@@ -193,7 +286,14 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
         entries = jax.lax.cond(jnp.any(n_new > 0), pool, lambda: jnp.zeros((B, n, d), x.dtype))
     else:
         entries = pool()
-    return entries, n_new, a, z
+    if overlap:
+        S = state_a.shape[-2]
+        rows, slots = ring_writes(p0, n_valid, T, S)
+        take = lambda v: jnp.take_along_axis(v, rows[..., None], axis=1)  # noqa: E731
+        writes = StateWrites(take(a), take(z), slots)
+    else:
+        writes = _refold(sa, sz, a, z, p0, n_valid, folded, ratio)
+    return entries, n_new, writes
 
 
 def _over_pool(pool: jnp.ndarray, new: jnp.ndarray, first_new: jnp.ndarray, axis: int) -> jnp.ndarray:

@@ -20,6 +20,8 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
     shared         int32 [B]                positions before it sit in blocks shared with other rows
                                             (prefix caching): their entries are read from the pools,
                                             never computed into them (with the table)
+    folded         int32 [B]                the ratio-128 compressors' folded state row ends here
+                                            (with ratio-128 layers; attention.compress_chunk)
     window (window-only layers, n of them):
       ring         [n, B, W + la, Dh]           sliding-window K=V rows
     csa (ratio-4 layers):
@@ -34,7 +36,9 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
     hca (ratio-128 layers):
       ring         [n, B, W + la, Dh]
       pool         [n, NB, block_size / 128, Dh]
-      state_a/z    [n, B, 128 + la, Dh]  fp32   projections of the current block's positions
+      state_a/z    [n, B, 1 + la, Dh]  fp32     the current block's positions before `folded` folded
+                                                into one row, then a ring of the positions after it
+                                                (attention.compress_chunk)
 
 With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry as DeepSeek's FP8
 record (dsv4_jax/model/kv_record.py: e4m3 NoPE values with a power-of-two scale per 64, bf16
@@ -45,7 +49,7 @@ indexer's keys stay in the compute dtype.
 
 A row reads only slots and entries of positions below its own that it wrote itself (positions
 before 0 count as missing: a block before the first gets softmax weight 0), so a row is reset by
-setting its position to 0 (`reset_rows`), and slots and entries past a position hold
+setting its position to 0 (`reset_rows`, which restarts its fold point with it), and slots and entries past a position hold
 don't-cares (finite: every pool starts at zero and only ever holds computed entries).
 
 A row can also start at a position p > 0 over blocks another row computed (prefix caching): its
@@ -68,6 +72,7 @@ from .kv_record import record_bytes
 from .layer_kinds import COMPRESSED, CSA, KINDS
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype
+ROW_LEAVES = (("pos",), ("blocks",), ("shared",), ("folded",))  # a row's own leaves outside the kinds' stacks
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -127,6 +132,8 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     if _compress_ratios(cfg):
         spec["blocks"] = ((batch, nb), jnp.int32)
         spec["shared"] = ((batch,), jnp.int32)
+    if any(not k.overlap for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)):
+        spec["folded"] = ((batch,), jnp.int32)
     for kind in KINDS:  # each kind's layers stacked on their own
         n = len(cfg.layers_of_ratio(kind.ratio))
         if not n:
@@ -182,14 +189,16 @@ def recompute_span(cfg: ModelConfig, lookahead_layers: int = 0) -> int:
 
 def reset_rows(cache: dict, rows: jnp.ndarray, start=0) -> dict:
     """The cache with the rows where `rows` (bool `[B]`) is set restarted at position `start` (int
-    or int32 `[B]`; 0: emptied, nothing they hold is read again); the others as they were."""
-    return {**cache, "pos": jnp.where(rows, start, cache["pos"])}
+    or int32 `[B]`; 0: emptied, nothing they hold is read again), nothing folded into their
+    compressor state; the others as they were."""
+    moved = {k: jnp.where(rows, start, cache[k]) for k in ("pos", "folded") if k in cache}
+    return {**cache, **moved}
 
 
 def _per_row(path) -> int | None:
     """The row axis of a cache leaf (None for a pool, which the rows share)."""
     keys = tuple(getattr(k, "key", k) for k in path)
-    if keys in (("pos",), ("blocks",), ("shared",)):
+    if keys in ROW_LEAVES:
         return 0
     return None if keys[-1] == "pool" else 1
 

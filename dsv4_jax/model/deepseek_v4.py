@@ -109,6 +109,7 @@ class _Chunk(NamedTuple):
     compress_freqs: jnp.ndarray  # [rope/2]
     blocks: jnp.ndarray | None  # int32 [B, nb]: each row's block table (cache.py); None without pools
     shared: jnp.ndarray  # int32 [B]: positions before it are in shared blocks (cache.py), 0 without pools
+    folded: jnp.ndarray  # int32 [B]: the ratio-128 compressors' folded state row ends here (attention.compress_chunk)
     groups: int  # row / block groups of the pools' reads and writes (cache._by_group): 1 unless in place on a mesh
 
 
@@ -149,7 +150,9 @@ class _Step:
         out = {}
         for k, v in self.cache_shapes[group].items():
             if k.startswith("state_"):
-                out[k] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
+                m = attention.state_writes_rows(_RATIO_OF[group], T, v.shape[2])
+                out[k] = jnp.zeros((B, m, v.shape[-1]), v.dtype)
+                out["state_slots"] = jnp.full((B, m), v.shape[2], jnp.int32)  # out of range: not written
             elif k == "ring":
                 out["kv"] = jnp.zeros((B, T, v.shape[-1]), v.dtype)
             elif k == "pool":
@@ -207,17 +210,22 @@ def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg
                      _loaded(pool_entries(pool, ch.blocks, held, ch.groups), cfg, entries.dtype), entries)
 
 
+def _state_payload(w: attention.StateWrites) -> dict:
+    """A compressor's state writes as a cache group's payload (stored by `_store`)."""
+    return {"state_a": w.a, "state_z": w.z, "state_slots": w.slots}
+
+
 def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: bool):
     """A ratio-4 layer: window plus the indexer's top-k compressed entries; with `reuse`
     (IndexCache) the last computing layer's entry ids, with this layer's own rows."""
     cfg, ch = ctx.cfg, ctx.chunk
     T = lay.q.shape[1]
     own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
-    entries, n_new, sa, sz = attention.compress_chunk(
+    entries, n_new, state = attention.compress_chunk(
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
     entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
-    out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
-                   "state_z": sz}}
+    out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new,
+                   **_state_payload(state)}}
     measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
     # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
     # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
@@ -226,11 +234,11 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     def indexer_keys():
         """This layer's indexer keys of the chunk (and its compressor's payload) and its key pool."""
         ci = take_layer(caches["indexer"], lay.index_local)
-        keys, n_keys, isa, isz = attention.compress_chunk(
+        keys, n_keys, state = attention.compress_chunk(
             own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
             n_valid=ch.n_valid)
         keys = _pinned(keys, ci["pool"], ch, CSA, cfg)
-        return {"entries": keys, "n_new": n_keys, "state_a": isa, "state_z": isz}, ci["pool"]
+        return {"entries": keys, "n_new": n_keys, **_state_payload(state)}, ci["pool"]
 
     def own_choice(keys, key_pool):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
@@ -276,17 +284,16 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     cfg, ch = ctx.cfg, ctx.chunk
     B, T = lay.q.shape[:2]
     own, c = take_layer(ctx.params["hca"], lay.local), take_layer(caches["hca"], lay.local)
-    entries, n_new, sa, sz = attention.compress_chunk(
+    entries, n_new, state = attention.compress_chunk(
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
-        cfg, layer=lay.local, n_valid=ch.n_valid)
+        cfg, layer=lay.local, n_valid=ch.n_valid, folded=ch.folded)
     entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, HCA, cfg)
     pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
     o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, "state_a": sa,
-               "state_z": sz}
+    payload = {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
 
@@ -303,19 +310,21 @@ def _writers(cfg: ModelConfig) -> dict:
 
 def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> dict:
     """Writes a group's payload into layer `target` of its stacks `[n, B, ...]` (out of range:
-    dropped), each row at its own positions: the chunk's K=V rows and compressor projections into
-    their rings (`attention.ring_writes`), the entries the row completed at their ids, in the
+    dropped), each row at its own positions: the chunk's K=V rows into their ring
+    (`attention.ring_writes`), the compressor's state rows into their slots, the entries the row completed at their ids, in the
     blocks its table (chunk.blocks) names, except those before the row's shared position (the
     shared blocks hold them)."""
     out = dict(stacks)
     B = chunk.p0.shape[0]
     T = chunk.rope.shape[3]
     b = jnp.arange(B)[:, None]
-    for k, rows in (("ring", "kv"), ("state_a", "state_a"), ("state_z", "state_z")):
+    if "ring" in stacks:
+        which, slots = attention.ring_writes(chunk.p0, chunk.n_valid, T, stacks["ring"].shape[2])
+        values = jnp.take_along_axis(payload["kv"], which[..., None], axis=1)
+        out["ring"] = stacks["ring"].at[target, b, slots].set(values.astype(stacks["ring"].dtype), mode="drop")
+    for k in ("state_a", "state_z"):
         if k in stacks:
-            which, slots = attention.ring_writes(chunk.p0, chunk.n_valid, T, stacks[k].shape[2])
-            values = jnp.take_along_axis(payload[rows], which[..., None], axis=1)
-            out[k] = stacks[k].at[target, b, slots].set(values.astype(stacks[k].dtype), mode="drop")
+            out[k] = stacks[k].at[target, b, payload["state_slots"]].set(payload[k], mode="drop")
     ratio = _RATIO_OF[group]
     if ratio is not None:
         i = jnp.arange(payload["entries"].shape[1], dtype=jnp.int32)[None, :]
@@ -380,7 +389,8 @@ def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place
     mesh = sharding.active(cfg)
     groups = cfg.layout.shards(sharding.BATCH, mesh) if rows_in_place and mesh is not None else 1
     shared = cache.get("shared", jnp.zeros((B,), jnp.int32))
-    return _Chunk(p0, n_valid, rope, compress_freqs, cache.get("blocks"), shared, groups if B % groups == 0 else 1)
+    return _Chunk(p0, n_valid, rope, compress_freqs, cache.get("blocks"), shared, cache.get("folded", p0),
+                  groups if B % groups == 0 else 1)
 
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
@@ -406,7 +416,10 @@ def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray
     k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
     (h, stacks, _), (aux, load) = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
-    return h, {**cache, "pos": chunk.p0 + chunk.n_valid, **stacks}, aux, load
+    moved = {"pos": chunk.p0 + chunk.n_valid}
+    if "folded" in cache:
+        moved["folded"] = attention.fold_point(chunk.p0, chunk.n_valid, cache["hca"]["state_a"].shape[2] - 1)
+    return h, {**cache, **moved, **stacks}, aux, load
 
 
 def lm_logits(h: jnp.ndarray, hc_head_params: dict, norm: jnp.ndarray, head: jnp.ndarray,

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .cache import ROW_LEAVES
 from .config import ModelConfig
 
 MESH_AXES = ("data", "expert", "tensor")
@@ -180,10 +181,10 @@ def matrix_axes(path: tuple[str, ...]) -> tuple:
 
 
 def cache_axes(path: tuple[str, ...], ndim: int) -> tuple:
-    """Logical axes of a cache leaf: `pos` and `shared` `[B]` and the block table `[B, nb]` by rows,
+    """Logical axes of a cache leaf: `pos`, `shared`, `folded` `[B]` and the block table `[B, nb]` by rows,
     every stack `[n, B, ...]` by rows, a pool `[n, NB, E, d]` by blocks (a row's blocks on its
     rows' devices: the engine hands them out so)."""
-    if path in (("pos",), ("blocks",), ("shared",)):
+    if path in ROW_LEAVES:
         return (BATCH,) + (None,) * (ndim - 1)
     return (None, BATCH) + (None,) * (ndim - 2)
 

@@ -469,13 +469,13 @@ class Engine:
                 for req in [r for r in self.waiting if r.after is parent and r.admitted is None and not r.cancelled
                             and r.prompt == parent.prompt]:
                     slot = next((s for s in self.free if self.pool.shard_of(s) == device), None)
-                    if len(forked) == P or slot is None or not self._share(parent, req, slot):
+                    last = None if len(forked) == P or slot is None else self._share(parent, req, slot)
+                    if last is None:
                         break
                     i = len(forked)
                     src[i], dst[i] = parent.slot, slot
                     if self.paged:
-                        full = len(parent.prompt) // self.block_size
-                        src_block[i], dst_block[i] = parent.blocks[full], req.blocks[full]
+                        src_block[i], dst_block[i] = parent.blocks[last], req.blocks[last]
                     self._place(req, slot)
                     forked[i] = req
         if not forked:
@@ -495,21 +495,22 @@ class Engine:
         return (np.zeros(P, np.int32), np.full(P, self.slots, np.int32), np.zeros(P, np.int32),
                 np.full(P, self.num_blocks, np.int32))
 
-    def _share(self, parent: EngineRequest, req: EngineRequest, slot: int) -> bool:
+    def _share(self, parent: EngineRequest, req: EngineRequest, slot: int) -> int | None:
         """Gives req (a choice of parent's prompt, to fork into slot) parent's full prompt blocks,
-        held once more, and a fresh block for the partly filled last one and its first token (so
-        `_fork` copies parent's into it); False (nothing given) if the pool lacks it."""
+        held once more, and a fresh block for the partly filled last one and its first token.
+        Returns that block's index in both tables (`_fork` copies parent's into req's), or None
+        (nothing given) if the pool lacks it."""
+        full = len(parent.prompt) // self.block_size
         if self.paged:
-            full = len(parent.prompt) // self.block_size
             req.blocks = parent.blocks[:full]
             self.pool.hold(slot, req.blocks)
             if not self._grow(req, slot, len(req.prompt) + 1):
                 self.pool.give(slot, req.blocks)
                 req.blocks = []
-                return False
+                return None
             self.shared[slot] = full * self.block_size  # its entries before it are the parent's
         req.prefilled, req.keys, req.cached = len(req.prompt), list(parent.keys), parent.cached
-        return True
+        return full
 
     def _set_history(self, req: EngineRequest) -> None:
         """req's penalty history into its slot's row (decode.set_history): its prompt's tokens, and

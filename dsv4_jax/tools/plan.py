@@ -611,8 +611,8 @@ def min_bytes(s: Setup, max_len: int, tokens: int) -> dict:
                 ratio-4 layers: the indexer keys of every visible entry (it scores them all) and
                 the top-k selected compressed rows (decode; a prefill chunk: every visible
                 compressed row, the union of its queries' selections); ratio-128 layers: every
-                visible compressed row. Compressor states (a step writes one row; the whole state
-                is read once per block) and every write are not counted.
+                visible compressed row. Compressor states (a step reads and writes a few rows; the
+                ratio-4 state is read once per block) and every write are not counted.
     """
     cfg = s.cfg
     rows = s.batch // s.shards(sharding.BATCH)  # sequences this device attends for
