@@ -34,8 +34,8 @@ def _abstract(spec):
     return {k: jax.ShapeDtypeStruct(*v) if isinstance(v, tuple) else _abstract(v) for k, v in spec.items()}
 
 
-# The FP8 cache (its compressed entries as 584-byte records, decoded where the step reads them)
-# on one TPU and one GPU target.
+# The FP8 cache (its compressed entries and window rings as 584-byte records, decoded where the
+# step reads them) on one TPU and one GPU target.
 CASES = [(t, "auto") for t in TARGETS] + [("v5p-8", "fp8"), ("h100x1", "fp8")]
 
 
@@ -62,9 +62,10 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     assert result.memory["alias_bytes"] > 0
     logits = result.compiled.out_info.logits
     assert logits.shape == (BATCH, 1, cfg.vocab_size) and logits.dtype == jnp.float32
-    pools = {k: result.compiled.out_info.cache[k]["pool"] for k in ("csa", "hca")}
+    out = result.compiled.out_info.cache
+    stacks = [out[k]["pool"] for k in ("csa", "hca")] + [out[k]["ring"] for k in ("window", "csa", "hca")]
     want = ((584 // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((cfg.head_dim,), jnp.bfloat16)
-    assert all((p.shape[-1:], p.dtype) == want for p in pools.values())
+    assert all((a.shape[-1:], a.dtype) == want for a in stacks)
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h100x8"])

@@ -71,9 +71,10 @@ def test_plan_small_flash(tmp_path, capsys):
 
 
 def test_cache_section_with_fp8_records(tmp_path, capsys):
-    """--kv-cache-dtype fp8 --seq-len: the compressed entries as 584-byte records (head_dim 512)
-    against bf16's 1,024 bytes, in the compiled cache and in the sequence count: a sequence's
-    bytes are its rings and states plus its blocks, and the free memory holds that many."""
+    """--kv-cache-dtype fp8 --seq-len: the compressed entries and the window rings' K=V rows as
+    584-byte records (head_dim 512) against bf16's 1,024 bytes, in the compiled cache and in the
+    sequence count: a sequence's bytes are its rings and states plus its blocks, and the free
+    memory holds that many."""
     cfg = _config(tmp_path, SMALL, "small")
     outs = {}
     for kv in ("auto", "fp8"):
@@ -86,7 +87,8 @@ def test_cache_section_with_fp8_records(tmp_path, capsys):
     keys = 2 * 32 * 128 * 2
     assert b["block_bytes"] == 65 * 1024 + keys and c["block_bytes"] == 65 * 584 + keys
     assert c["bf16_bytes_per_sequence"] == b["bytes_per_sequence"]
-    assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == 32 * 65 * (1024 - 584)  # 32 blocks of 4096 tokens
+    # 32 blocks of 4096 tokens, and 4 layers' rings of 128 rows
+    assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == (32 * 65 + 4 * 128) * (1024 - 584)
     for x in (b, c):
         assert x["sequences_per_device"] == x["free_bytes"] // x["bytes_per_sequence"] > 0
         assert x["sequences"] == 4 * x["sequences_per_device"]  # dp_attention: one piece per device

@@ -182,6 +182,23 @@ def test_engine_warmup_with_speculation_changes_no_state(model, prompts, alone_i
     assert r.tokens == alone_in_chunks_of_16(prompts[1][:20], 6)
 
 
+def test_engine_speculates_on_fp8_records(model, prompts):
+    """kv_cache_dtype "fp8": the MTP block's ring holds FP8 records as the main model's rings do,
+    and greedy tokens with 3 drafts a round equal those without speculation."""
+    from dsv4_jax.runtime.engine import Engine
+
+    tokens = {}
+    for k in (3, 0):
+        eng = Engine(model, slots=3, max_len=256, prefill_chunk=16, speculative_tokens=k, kv_cache_dtype="fp8")
+        reqs = [eng.submit(p, 30) for p in prompts]
+        eng.run_until_idle()
+        tokens[k] = [r.tokens for r in reqs]
+        if k:
+            assert eng.state.mtp_cache["window"]["ring"].dtype == jnp.uint32
+            assert eng.state.cache["window"]["ring"].dtype == jnp.uint32
+    assert tokens[3] == tokens[0]
+
+
 def test_server_speculates(model, tmp_path_factory, prompts, alone_in_chunks_of_16):
     """dsv4-serve --speculative-tokens 2: concurrent greedy completions equal generate's tokens; the
     spec-decode counters are on /metrics (per position too); a request may ask for fewer drafts,

@@ -23,7 +23,7 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
     folded         int32 [B]                the ratio-128 compressors' folded state row ends here
                                             (with ratio-128 layers; attention.compress_chunk)
     window (window-only layers, n of them):
-      ring         [n, B, W + la, Dh]           sliding-window K=V rows
+      ring         [n, B, W + la, Dh]           sliding-window K=V rows (fp8: record words, below)
     csa (ratio-4 layers):
       ring         [n, B, W + la, Dh]
       pool         [n, NB, block_size / 4, Dh]  compressed entries
@@ -40,11 +40,15 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
                                                 into one row, then a ring of the positions after it
                                                 (attention.compress_chunk)
 
-With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry as DeepSeek's FP8
-record (dsv4_jax/model/kv_record.py: e4m3 NoPE values with a power-of-two scale per 64, bf16
-RoPE values; 584 bytes for head_dim 512) in 32-bit words, uint32 `[n, NB, E, record bytes / 4]`
-(kv_record.to_words: the same bytes); the model rounds
-an entry to what its record holds when it computes it and decodes the records it reads. The
+With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry, and every window
+ring (the MTP block's too) each K=V row, as DeepSeek's FP8 record (dsv4_jax/model/kv_record.py:
+e4m3 NoPE values with a power-of-two scale per 64, bf16 RoPE values; 584 bytes for head_dim 512)
+in 32-bit words, uint32 `[n, NB, E, record bytes / 4]` and `[n, B, W + la, record bytes / 4]`
+(kv_record.to_words: the same bytes); the model rounds an entry or a K=V row to what its record
+holds when it computes it and decodes the records it reads. The rings hold records as the pools
+do because DeepSeek's reference FP8-simulates every K=V row (the window's as the compressed
+entries: act_quant on the NoPE values, blocks of 64, UE8M0 scales; architecture.md §5.2) and the
+serving engines (vLLM, FlashMLA) store the sliding-window cache in the same record (§11.4). The
 indexer's keys stay in the compute dtype.
 
 A row reads only slots and entries of positions below its own that it wrote itself (positions
@@ -119,8 +123,8 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
                block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Nested dict of (shape, dtype) with the cache's structure (see the module doc): `batch` rows
     of up to max_len tokens, pools of `num_blocks` blocks (default: batch * blocks_per_row) of
-    `block_size` tokens (default: default_block_size), the compressed entries in `dtype` or
-    (kv_cache_dtype "fp8") as FP8 records."""
+    `block_size` tokens (default: default_block_size), the rings' K=V rows and the compressed
+    entries in `dtype` or (kv_cache_dtype "fp8") as FP8 records."""
     block_size = default_block_size(cfg) if block_size is None else block_size
     check_block_size(cfg, block_size)
     check_kv_cache_dtype(kv_cache_dtype)
@@ -128,6 +132,8 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     NB = batch * nb if num_blocks is None else num_blocks
     Dh, dI, R = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window + lookahead
     f32 = jnp.float32
+    # A ring's K=V row or a pool's entry: its FP8 record's words, or Dh values.
+    entry = ((record_bytes(Dh, cfg.rope_head_dim) // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((Dh,), dtype)
     spec: dict = {"pos": ((batch,), jnp.int32)}
     if _compress_ratios(cfg):
         spec["blocks"] = ((batch, nb), jnp.int32)
@@ -138,10 +144,9 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
         n = len(cfg.layers_of_ratio(kind.ratio))
         if not n:
             continue
-        spec[kind.name] = {"ring": ((n, batch, R, Dh), dtype)}
+        spec[kind.name] = {"ring": ((n, batch, R) + entry[0], entry[1])}
         if kind.ratio:
             E, s, w = block_size // kind.ratio, kind.state_rows(lookahead), kind.compressor_width(Dh)
-            entry = ((record_bytes(Dh, cfg.rope_head_dim) // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((Dh,), dtype)
             spec[kind.name].update(pool=((n, NB, E) + entry[0], entry[1]), state_a=((n, batch, s, w), f32),
                                    state_z=((n, batch, s, w), f32))
         ni = len(indexer_state_layers(cfg)) if kind.indexer else 0

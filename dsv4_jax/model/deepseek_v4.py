@@ -169,31 +169,39 @@ _NO_AUX = np.full((4,), np.nan, np.float32)
 
 def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A window-only layer: its ring and the chunk."""
-    ring = take_layer(caches["window"]["ring"], lay.local)
+    ring, kv = _window(take_layer(caches["window"]["ring"], lay.local), lay, ctx.cfg)
     o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
-    return o, last_ids, ctx.payloads({"window": {"kv": lay.kv}}), _NO_AUX
+    return o, last_ids, ctx.payloads({"window": {"kv": kv}}), _NO_AUX
 
 
 def _loaded(rows: jnp.ndarray, cfg: ModelConfig, dtype) -> jnp.ndarray:
-    """Entries read from a pool `[..., Dh]`; FP8 records (words `[..., R / 4]`, cache.py) decoded
-    to dtype."""
+    """Entries read from a pool, or K=V rows from a ring, `[..., Dh]`; FP8 records (words
+    `[..., R / 4]`, cache.py) decoded to dtype."""
     if rows.dtype != jnp.uint32:
         return rows
     return kv_record.decode(kv_record.from_words(rows), cfg.head_dim, cfg.rope_head_dim, dtype)
 
 
-def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """A chunk's new entries `[B, n, Dh]` as `pool` will hold them: the values of their FP8
-    records when it holds records, so that the chunk reads what later steps read."""
+def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray | jax.ShapeDtypeStruct, cfg: ModelConfig) -> jnp.ndarray:
+    """A chunk's new entries or K=V rows `[B, n, Dh]` as `pool` (a pool or a ring, or their
+    ShapeDtypeStruct) will hold them: the values of their FP8 records when it holds records, so
+    that the chunk reads what later steps read."""
     return kv_record.fp8_round(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint32 else entries
 
 
 def _stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Entries `[B, n, Dh]` in the form `pool` stores: FP8 records (words `[B, n, R / 4]`) or
-    themselves."""
+    """Entries or K=V rows `[B, n, Dh]` in the form `pool` (a pool or a ring) stores: FP8 records
+    (words `[B, n, R / 4]`) or themselves."""
     if pool.dtype != jnp.uint32:
         return entries
     return kv_record.to_words(kv_record.encode(entries, cfg.rope_head_dim))
+
+
+def _window(ring: jnp.ndarray, lay: _LayerInput, cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """A layer's window, every branch's: (its ring `[B, W + la, Dh]` in lay.kv's dtype, FP8 records
+    decoded, for the attention; the chunk's K=V rows as the ring stores them, `[B, T, Dh]` or
+    record words `[B, T, R / 4]`, for `_store`)."""
+    return _loaded(ring, cfg, lay.kv.dtype), _stored(lay.kv, ring, cfg)
 
 
 def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg: ModelConfig) -> jnp.ndarray:
@@ -224,8 +232,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     entries, n_new, state = attention.compress_chunk(
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
     entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
-    out = {"csa": {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new,
-                   **_state_payload(state)}}
+    ring, kv = _window(c["ring"], lay, cfg)
+    out = {"csa": {"kv": kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}}
     measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
     # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
     # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
@@ -253,7 +261,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
             if ctx.measure_reuse:
                 rows = attention.in_entry_order(_loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype),
                                                 entries, ch.p0 // CSA)
-                measures = attention.reuse_measures(lay.q, c["ring"], lay.kv, rows,
+                measures = attention.reuse_measures(lay.q, ring, lay.kv, rows,
                                                     own_choice(payload["entries"], key_pool)[1], ids, lay.sink,
                                                     ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
@@ -275,7 +283,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         comp_rows, comp_idx = attention.in_entry_order(pool, entries, first), ids
         if ctx.indexer_kl and not reuse:
             kl = distillation_kl(lay.q, comp_rows, scores, ids, cfg.head_dim ** -0.5)
-    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
 
 
@@ -292,8 +300,9 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
-    o = attention.attend(lay.q, c["ring"], lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"kv": lay.kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}
+    ring, kv = _window(c["ring"], lay, cfg)
+    o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    payload = {"kv": kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
 
@@ -347,7 +356,10 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
     a = layer["attn"]
     q, c_q = attention.query(a, x, cos, sin, cfg)
-    kv = attention.key_value(a, x, cos, sin, cfg)
+    # Rounded to its FP8 record's values when the rings hold records (all of them or none:
+    # cache_spec), so that this chunk attends to what later steps read back from the ring.
+    ring = next(g["ring"] for g in ctx.cache_shapes.values() if "ring" in g)
+    kv = _as_stored(attention.key_value(a, x, cos, sin, cfg), ring, cfg)
     lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
     # Branches only read the caches and return the rows to store; the writes come after the
     # switch, unconditionally, into every group's stacks: at the layer's own index when its

@@ -23,7 +23,8 @@ embedding term is always e_proj(enorm(embed)). It only touches the block's own k
 The block runs through the main model's layer code: its weights, viewed as the stack of a
 one-layer model (`block_config`, `layer_params`), go through `model.run_layers`, and its head is
 `model.lm_logits`. Its cache is that one-layer model's cache, `{"pos": int32 [B], "window":
-{"ring": [1, B, W + lookahead, Dh]}}`, so cache.reset_rows / take_rows / put_rows work on it as they are.
+{"ring": [1, B, W + lookahead, Dh]}}` (kv_cache_dtype "fp8": FP8 record words `[1, B, W +
+lookahead, R / 4]`), so cache.reset_rows / take_rows / put_rows work on it as they are.
 
 Parameter tree (unstacked; the block's leaves are named as a main layer's are, in the tree of
 dsv4_jax/model/params.py):
@@ -109,10 +110,12 @@ def layer_params(mtp_params: dict) -> dict:
     return {"layers": jax.tree.map(lambda a: a[None], layer), "gate_bias": mtp_params["ffn"]["gate_bias"][None]}
 
 
-def init_mtp_cache(cfg: ModelConfig, batch: int, dtype=jnp.float32, lookahead: int = 0) -> dict:
+def init_mtp_cache(cfg: ModelConfig, batch: int, dtype=jnp.float32, lookahead: int = 0,
+                   kv_cache_dtype: str = "auto") -> dict:
     """The block's cache for `batch` rows: its window ring (`lookahead` slots wider for the drafts a
-    verification may reject, as dsv4_jax/model/cache.py) and positions."""
-    return init_cache(block_config(cfg), batch, cfg.sliding_window, dtype, lookahead)
+    verification may reject; with kv_cache_dtype "fp8" FP8 records, as the main model's rings:
+    dsv4_jax/model/cache.py) and positions."""
+    return init_cache(block_config(cfg), batch, cfg.sliding_window, dtype, lookahead, kv_cache_dtype=kv_cache_dtype)
 
 
 def mtp_step(mtp_params: dict, embed: jnp.ndarray, head: jnp.ndarray, mtp_cache: dict, hidden: jnp.ndarray,

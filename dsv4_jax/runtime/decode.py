@@ -157,8 +157,9 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
               block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto",
               penalties: bool = False, forks: bool = False) -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
-    `num_blocks` blocks of `block_size` tokens, entries as kv_cache_dtype: cache.init_cache); with
-    k drafts a round, rings k slots wider and the MTP block's state (speculative.py); with
+    `num_blocks` blocks of `block_size` tokens, entries and ring rows as kv_cache_dtype:
+    cache.init_cache); with k drafts a round, rings k slots wider and the MTP block's state
+    (speculative.py; its ring as kv_cache_dtype too); with
     penalties, the rows' token counts and prompt tokens; with forks, the rows' prompt logits.
     Committed to the devices, as every program's output is, so that the first call compiles the
     program the later ones run."""
@@ -169,7 +170,7 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
         hidden = (rows, k + 1, cfg.hc_mult, cfg.hidden_size)
         with model.on_mesh():
             state = state._replace(
-                mtp_cache=init_mtp_cache(cfg, rows, model.dtype, lookahead=k),
+                mtp_cache=init_mtp_cache(cfg, rows, model.dtype, lookahead=k, kv_cache_dtype=kv_cache_dtype),
                 carry=jnp.zeros(hidden[:1] + hidden[2:], model.dtype),
                 pending=speculative.Pending(jnp.zeros(hidden, model.dtype), jnp.zeros(hidden[:2], jnp.int32),
                                             jnp.zeros((rows,), jnp.int32)))

@@ -1,6 +1,6 @@
 """What the FP8 KV cache changes in the logits: the same tokens through a model with its cache's
-compressed entries in the compute dtype and as FP8 records (kv_cache_dtype "fp8",
-dsv4_jax/model/cache.py), one invocation.
+compressed entries and window rings in the compute dtype and as FP8 records (kv_cache_dtype
+"fp8", dsv4_jax/model/cache.py), one invocation.
 
     python -m dsv4_jax.tools.kv_cache_report [--ckpt DIR | --preset tiny|flash-mini] [--dtype bfloat16|float32]
         [--prompt-len 1024] [--decode-steps 32] [--seed 0]
