@@ -1,6 +1,6 @@
 """The FP8 KV cache (kv_cache_dtype "fp8", dsv4_jax/model/cache.py): the ratio-4 and ratio-128
 pools and every window ring hold DeepSeek's records (dsv4_jax/model/kv_record.py), 584 bytes an
-entry or K=V row at head_dim 512; the model's logits equal those of the same model whose records
+entry or K=V row at head_dim 512, the indexer's keys records without a RoPE part; the model's logits equal those of the same model whose records
 (and the values its K=V rows are rounded to) are made by the numpy model of the record
 (tests/test_kv_record.py) within fp32 rounding; the engine serves from them, a request's tokens
 the same in a batch as alone.
@@ -34,7 +34,8 @@ CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # head_dim 32, rope 8: records of 24
 def test_flash_pools_and_rings_hold_584_byte_records():
     """Flash's entry geometry (head_dim 512, rope 64): the compressed pools and the window rings
     (the MTP block's too) hold records of 584 bytes an entry or K=V row (146 32-bit words)
-    against 1,024 in bf16; the indexer's keys keep the compute dtype."""
+    against 1,024 in bf16; the indexer's keys (128 values, no RoPE part) records of 136 bytes
+    against 256."""
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED)
     fp8 = init_cache(cfg, 2, 512, jnp.bfloat16, kv_cache_dtype="fp8")
     bf16 = init_cache(cfg, 2, 512, jnp.bfloat16)
@@ -45,8 +46,11 @@ def test_flash_pools_and_rings_hold_584_byte_records():
         assert words.dtype == jnp.uint32 and words.shape[:-1] == values.shape[:-1]
         rows = np.prod(words.shape[:-1])
         assert words.nbytes // rows == 584 and values.nbytes // rows == 1024
-    assert fp8["indexer"]["pool"].dtype == jnp.bfloat16
-    keys = fp8["indexer"]["pool"].nbytes
+    words, values = fp8["indexer"]["pool"], bf16["indexer"]["pool"]
+    assert words.dtype == jnp.uint32 and words.shape[:-1] == values.shape[:-1]
+    rows = np.prod(words.shape[:-1])
+    assert words.nbytes // rows == 136 and values.nbytes // rows == 256
+    keys = words.nbytes
     assert block_bytes(cfg, 128, jnp.bfloat16, "fp8") * 2 * 4 == sum(fp8[k]["pool"].nbytes for k in ("csa", "hca")) + keys
     with pytest.raises(ValueError, match=r"kv cache dtype 'fp4' is not one of \['auto', 'fp8'\]"):
         init_cache(cfg, 1, 128, kv_cache_dtype="fp4")
@@ -89,7 +93,7 @@ def _run(params, kv_cache_dtype: str, ids, follow):
 
 
 def test_logits_equal_the_numpy_record_model(monkeypatch):
-    """The pools' entries and the rings' K=V rows rounded, encoded and decoded by the numpy model
+    """The pools' entries and keys and the rings' K=V rows rounded, encoded and decoded by the numpy model
     instead (fp32 logits of about 2 agree within 1e-6); the records written are its records."""
     params = dsv4_jax.init_params(CFG, seed=5, std=0.1)
     rng = np.random.default_rng(0)
@@ -102,13 +106,15 @@ def test_logits_equal_the_numpy_record_model(monkeypatch):
         want, numpy_cache = _run(params, "fp8", ids, follow)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert np.abs(got - auto).max() > 1e-3
-    for kind, stack in (("window", "ring"), ("csa", "ring"), ("hca", "ring"), ("csa", "pool"), ("hca", "pool")):
+    kv, keys = (CFG.head_dim, CFG.rope_head_dim), (CFG.index_head_dim, 0)
+    for kind, stack, dims in (("window", "ring", kv), ("csa", "ring", kv), ("hca", "ring", kv), ("csa", "pool", kv),
+                              ("hca", "pool", kv), ("indexer", "pool", keys)):
         # the rings and pools written are the numpy model's records, byte for byte
         words = np.asarray(cache[kind][stack])
         np.testing.assert_array_equal(words, np.asarray(numpy_cache[kind][stack]))
         # and its words are its records' bytes in order: the last record it holds, decoded by numpy
         last = words.reshape(-1, words.shape[-1])[np.flatnonzero(words.reshape(-1, words.shape[-1]).any(-1))[-1]]
-        entry = numpy_decode(last.view(np.uint8), CFG.head_dim, CFG.rope_head_dim, np.float32)
+        entry = numpy_decode(last.view(np.uint8), *dims, np.float32)
         assert np.isfinite(entry).all() and np.abs(entry).max() > 0
 
 

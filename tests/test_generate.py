@@ -305,34 +305,38 @@ def _computations_under_branches(hlo: str) -> tuple[dict, set]:
     return comps, under
 
 
-@pytest.mark.parametrize("lookahead", [0, 3])
-def test_ratio_128_state_folds_any_chunking(lookahead):
-    """The ratio-128 compressor keeps 1 + lookahead state rows (a folded row and a ring of the
-    last `lookahead` positions): fed a sequence in chunks of random sizes, one token at a time,
-    and (with lookahead) in verification-like steps whose trailing drafts are partly rejected
-    and fed again, two rows with their own positions and padding, every block's entry equals the
-    whole sequence's in one chunk. Tolerance 1e-5 relative: folding changes only the order of the
-    fp32 softmax's sums (observed ~1e-7)."""
+@pytest.mark.parametrize("ratio,lookahead", [(128, 0), (128, 3), (4, 0), (4, 2)])
+def test_compressor_state_folds_any_chunking(ratio, lookahead):
+    """A compressor keeps folds + lookahead state rows (the open block folded into one row, with
+    overlap the block before it into another, and a ring of the last `lookahead` positions): fed
+    a sequence in chunks of random sizes, one token at a time, and (with lookahead) in
+    verification-like steps whose trailing drafts are partly rejected and fed again, two rows
+    with their own positions and padding, every block's entry equals the whole sequence's in one
+    chunk. Tolerance 1e-5 relative: folding changes only the order of the fp32 softmax's sums
+    (observed ~1e-7)."""
     from dsv4_jax.model import attention
-    from dsv4_jax.model.layer_kinds import HCA
+    from dsv4_jax.model.layer_kinds import BY_RATIO
     from dsv4_jax.model.rope import layer_inv_freqs
 
     cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)
     params = dsv4_jax.init_params(cfg, seed=3, std=0.5)
-    cp = jax.tree.map(lambda a: a[0], params["hca"]["compressor"])
+    kind = BY_RATIO[ratio]
+    cp = jax.tree.map(lambda a: a[0], params[kind.name]["compressor"])
     freqs = jnp.asarray(layer_inv_freqs(cfg)[1])
     C, d = cp["wkv"].shape[0], cfg.head_dim
-    S, B = 3 * HCA + 50, 2
+    S, B = 3 * ratio + 50 if ratio > 4 else 61, 2
     rng = np.random.default_rng(lookahead)
     x = jnp.asarray(rng.standard_normal((B, S, cfg.hidden_size)), jnp.float32)
-    run = jax.jit(partial(attention.compress_chunk, ratio=HCA, freqs=freqs, cfg=cfg))
-    want = np.asarray(run(cp, x, jnp.zeros((B, 1, C)), jnp.zeros((B, 1, C)), jnp.zeros((B,), jnp.int32))[0])[:, :S // HCA]
+    run = jax.jit(partial(attention.compress_chunk, ratio=ratio, freqs=freqs, cfg=cfg))
+    rows = kind.state_rows(lookahead)
+    zero = jnp.zeros((B, kind.state_rows(), C))
+    want = np.asarray(run(cp, x, zero, zero, jnp.zeros((B,), jnp.int32))[0])[:, :S // ratio]
 
-    sa, sz = jnp.zeros((B, 1 + lookahead, C)), jnp.zeros((B, 1 + lookahead, C))
+    sa, sz = jnp.zeros((B, rows, C)), jnp.zeros((B, rows, C))
     pos, folded = np.zeros(B, np.int64), np.zeros(B, np.int64)
-    got = np.full((B, S // HCA, d), np.nan, np.float32)
+    got = np.full((B, S // ratio, d), np.nan, np.float32)
     while (pos < S).any():
-        real = np.array([min(int(rng.choice([1, 1, 2, 7, 64, 200])), S - p) for p in pos])
+        real = np.array([min(int(rng.choice([1, 1, 2, 3, 7, 64, 200])), S - p) for p in pos])
         drafts = np.array([min(int(rng.integers(0, lookahead + 1)), S - p - r) if r == 1 else 0
                            for p, r in zip(pos, real)])
         kept = np.array([int(rng.integers(0, dr + 1)) for dr in drafts])  # the drafts a verification keeps
@@ -349,11 +353,11 @@ def test_ratio_128_state_folds_any_chunking(lookahead):
         folded = np.asarray(attention.fold_point(jnp.asarray(pos, jnp.int32), n_valid, lookahead))
         for r in range(B):
             for i in range(int(n_new[r])):
-                e = pos[r] // HCA + i
-                if (e + 1) * HCA <= pos[r] + real[r] + kept[r]:  # completed by kept tokens only
+                e = pos[r] // ratio + i
+                if (e + 1) * ratio <= pos[r] + real[r] + kept[r]:  # completed by kept tokens only
                     got[r, e] = np.asarray(entries[r, i])
         pos = pos + real + kept  # a step after a rejection starts right after the kept drafts
-    assert sa.shape[1] == 1 + lookahead
+    assert sa.shape[1] == (2 if kind.overlap else 1) + lookahead
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -402,7 +406,7 @@ def test_cache_bytes_follow_kinds():
     ring = 128 * 512 * 2
     assert b["window"] == ring
     assert b["hca"] == ring + (4096 // 128) * 512 * 2 + 2 * 1 * 512 * 4  # the state: one folded row
-    assert b["csa"] == 2 * (ring + 1024 * 512 * 2 + 2 * 8 * 1024 * 4 + 1024 * 128 * 2 + 2 * 8 * 256 * 4)
+    assert b["csa"] == 2 * (ring + 1024 * 512 * 2 + 2 * 2 * 1024 * 4 + 1024 * 128 * 2 + 2 * 2 * 256 * 4)
     assert b["total"] == b["window"] + b["csa"] + b["hca"]
     real = init_cache(cfg, 1, 4096, jnp.bfloat16)
     # minus the position counter, the reuse point, the fold point and the block table (4096 tokens:

@@ -16,7 +16,7 @@ encode = jax.jit(kv_record.encode, static_argnums=1)
 decode = jax.jit(kv_record.decode, static_argnums=(1, 2, 3))
 fp8_round = jax.jit(kv_record.fp8_round, static_argnums=1)
 
-LAYOUTS = [(512, 64), (128, 32)]
+LAYOUTS = [(512, 64), (128, 32), (128, 0)]  # (128, 0): an indexer key
 LEADS = [(3, 5), (7,), ()]
 DTYPES = [BF16, np.float32]
 
@@ -131,6 +131,7 @@ def test_record_bytes():
     assert kv_record.BLOCK == 64
     assert kv_record.record_bytes(512, 64) == 448 + 128 + 7 + 1 == 584
     assert kv_record.record_bytes(128, 32) == 168  # 96 + 64 + 2 = 162, padded to 8
+    assert kv_record.record_bytes(128, 0) == 136  # an indexer key: 128 + 2 = 130, padded to 8
 
 
 @pytest.mark.parametrize("d,rope,lead,dtype", CASES, ids=IDS)

@@ -83,12 +83,13 @@ def test_cache_section_with_fp8_records(tmp_path, capsys):
         outs[kv] = json.loads(capsys.readouterr().out)
     c, b = outs["fp8"]["cache"], outs["auto"]["cache"]
     assert c["kv_cache_dtype"] == "fp8" and c["seq_len"] == 4096
-    # a block of 128 tokens: 2 ratio-4 layers x 32 entries + 1 ratio-128 layer x 1, and the indexer's keys
-    keys = 2 * 32 * 128 * 2
-    assert b["block_bytes"] == 65 * 1024 + keys and c["block_bytes"] == 65 * 584 + keys
+    # a block of 128 tokens: 2 ratio-4 layers x 32 entries + 1 ratio-128 layer x 1, and the indexer's
+    # 2 x 32 keys of 128 values (records of 136 bytes against 256)
+    keys = 2 * 32
+    assert b["block_bytes"] == 65 * 1024 + keys * 256 and c["block_bytes"] == 65 * 584 + keys * 136
     assert c["bf16_bytes_per_sequence"] == b["bytes_per_sequence"]
     # 32 blocks of 4096 tokens, and 4 layers' rings of 128 rows
-    assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == (32 * 65 + 4 * 128) * (1024 - 584)
+    assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == (32 * 65 + 4 * 128) * (1024 - 584) + 32 * keys * 120
     for x in (b, c):
         assert x["sequences_per_device"] == x["free_bytes"] // x["bytes_per_sequence"] > 0
         assert x["sequences"] == 4 * x["sequences_per_device"]  # dp_attention: one piece per device

@@ -125,22 +125,29 @@ class StateWrites(NamedTuple):
     slots: jnp.ndarray
 
 
+def _folds(ratio: int) -> int:
+    """Folded rows a ratio's compressor state keeps: the open block's, and with overlap the block
+    before it (whose first halves the open block's entry pools)."""
+    return 2 if BY_RATIO[ratio].overlap else 1
+
+
 def state_writes_rows(ratio: int, T: int, S: int) -> int:
     """m of the StateWrites a chunk of T tokens gives a ratio's compressor with S state slots."""
-    return min(T, S) if BY_RATIO[ratio].overlap else 1 + min(T, S - 1)
+    f = _folds(ratio)
+    return f + min(T, S - f)
 
 
 def fold_point(p0: jnp.ndarray, n_valid: jnp.ndarray, lookahead: int) -> jnp.ndarray:
-    """Where a non-overlapping compressor's folded state row ends after a chunk at p0 `[B]` with
-    n_valid `[B]` real tokens (int32 `[B]`): all of them but the last `lookahead`, which a
-    verification may reject (the row's position never moves back further, nor before p0)."""
+    """Where the compressors' folded state rows end after a chunk at p0 `[B]` with n_valid `[B]`
+    real tokens (int32 `[B]`): all of them but the last `lookahead`, which a verification may
+    reject (the row's position never moves back further, nor before p0)."""
     return jnp.maximum(p0, p0 + n_valid - lookahead)
 
 
 def _fold(a: jnp.ndarray, z: jnp.ndarray, use: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The rows of a `[B, N, C]` and z `[B, N, C]` where `use` (bool `[B, N]`) folded into one row
     each `[B, C]`: z the log-sum-exp of theirs, a the z-softmax-weighted sum of theirs, so that in
-    a softmax pool the row weighs as they do together; (0, -inf) where none is used."""
+    a per-channel softmax pool the row weighs as they do together; (0, -inf) where none is used."""
     z = jnp.where(use[..., None], z, -jnp.inf)
     m = jnp.max(z, axis=1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -152,47 +159,61 @@ def _fold(a: jnp.ndarray, z: jnp.ndarray, use: jnp.ndarray) -> tuple[jnp.ndarray
     return jnp.where(some, folded_a, 0.0), jnp.where(some, m[:, 0] + jnp.log(safe), -jnp.inf)
 
 
-def _ring_rows(sa, sz, held, missing):
-    """State ring rows at positions held int32 `[B, N]` (slot s % S), (0, -inf) where missing."""
-    slots = (held % sa.shape[1])[..., None]
-    return (jnp.where(missing[..., None], 0.0, jnp.take_along_axis(sa, slots, axis=1)),
-            jnp.where(missing[..., None], -jnp.inf, jnp.take_along_axis(sz, slots, axis=1)))
+class _Held(NamedTuple):
+    """What a compressor state holds for a chunk at p0 (module doc of compress_chunk), each of its
+    S slots as a span of positions [lo, hi) `[B, S]` (empty where the slot holds nothing usable):
+    the folded rows' spans, then the ring slots' one position each (those before p0)."""
+
+    lo: jnp.ndarray
+    hi: jnp.ndarray
 
 
-def _folded_rows(sa, sz, held, p0, folded):
-    """A non-overlapping compressor's state (module of compress_chunk) as rows at the positions held
-    `[B, ratio]` of the block p0 is in: the folded row at its first position when it holds some of
-    them, the unfolded ring rows (slots 1..) at theirs, (0, -inf) elsewhere."""
-    la = sa.shape[1] - 1
-    start = held[:, :1]
-    unfolded = (held >= jnp.maximum(folded, start[:, 0])[:, None]) & (held < p0[:, None])
-    a, z = _ring_rows(sa[:, 1:], sz[:, 1:], held, ~unfolded) if la else (
-        jnp.zeros(held.shape + sa.shape[-1:]), jnp.full(held.shape + sa.shape[-1:], -jnp.inf))
-    own = ((start[:, 0] < folded) & (folded <= p0))[:, None] & (jnp.arange(held.shape[1]) == 0)[None, :]
-    return jnp.where(own[..., None], sa[:, :1], a), jnp.where(own[..., None], sz[:, :1], z)
-
-
-def _refold(sa, sz, a, z, p0, n_valid, folded, ratio) -> StateWrites:
-    """A non-overlapping compressor's state after the chunk (a, z `[B, T, C]` at p0): the positions of
-    the block the new fold point is in, before it, folded into slot 0 (from the old folded row,
-    the old ring and the chunk), written where the fold point moves; the chunk's last real rows
-    into the ring slots 1.."""
-    B, T, _ = a.shape
-    la = sa.shape[1] - 1
-    end = fold_point(p0, n_valid, la)
-    start = (end // ratio) * ratio
-    old_start = (p0 // ratio) * ratio
-    own = (old_start < folded) & (folded <= p0) & (old_start == start)
+def _held(S: int, ratio: int, p0: jnp.ndarray, folded: jnp.ndarray) -> _Held:
+    f, la = _folds(ratio), S - _folds(ratio)
+    start = (folded // ratio) * ratio
+    spans = [(start - ratio, start), (start, folded)][-f:]  # [the block before,] the open block
+    lo = [jnp.maximum(a, 0) for a, _ in spans]
+    hi = [b for _, b in spans]
     ring = folded[:, None] + (jnp.arange(la, dtype=jnp.int32)[None, :] - folded[:, None]) % max(la, 1)
+    lo, hi = jnp.concatenate([jnp.stack(lo, 1), ring], 1), jnp.concatenate([jnp.stack(hi, 1), ring + 1], 1)
+    usable = (folded <= p0)[:, None] & (hi <= p0[:, None])  # a restarted row's state is another sequence's
+    return _Held(lo, jnp.where(usable, hi, lo))
+
+
+def _state_rows(sa, sz, held: _Held, positions):
+    """The state as rows at the positions `[B, N]` (a span of consecutive ones): each slot's row at
+    its span's first position when the span lies among them, (0, -inf) elsewhere."""
+    at = held.lo - positions[:, :1]  # [B, S] the index of each slot's row
+    ok = (held.lo < held.hi) & (at >= 0) & (at < positions.shape[1])
+    onto = jax.nn.one_hot(jnp.where(ok, at, -1), positions.shape[1], dtype=jnp.bool_)  # [B, S, N]
+    hit = jnp.any(onto, axis=1)  # [B, N]
+    slot = jnp.argmax(onto, axis=1)[..., None]  # [B, N, 1]
+    return (jnp.where(hit[..., None], jnp.take_along_axis(sa, slot, axis=1), 0.0),
+            jnp.where(hit[..., None], jnp.take_along_axis(sz, slot, axis=1), -jnp.inf))
+
+
+def _refold(sa, sz, a, z, p0, n_valid, folded, old: _Held, ratio) -> StateWrites:
+    """The compressor state after the chunk (a, z `[B, T, C]` at p0), as writes: each folded row of
+    the new fold point (`fold_point`) refolded from what covers its span (`old`: what the state
+    held, the chunk), written where the fold point moves; the chunk's last real rows into the ring."""
+    B, T, _ = a.shape
+    S, f = sa.shape[1], _folds(ratio)
+    la = S - f
+    end = fold_point(p0, n_valid, la)
+    new = _held(S, ratio, end, end)
     t = p0[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    use = jnp.concatenate([own[:, None], (ring < p0[:, None]) & (ring >= start[:, None]),
-                           (t < (p0 + n_valid)[:, None]) & (t >= start[:, None]) & (t < end[:, None])], axis=1)
-    fa, fz = _fold(jnp.concatenate([sa, a], axis=1), jnp.concatenate([sz, z], axis=1), use)
+    lo = jnp.concatenate([old.lo, jnp.where(t < (p0 + n_valid)[:, None], t, 0)], 1)
+    hi = jnp.concatenate([old.hi, jnp.where(t < (p0 + n_valid)[:, None], t + 1, 0)], 1)
+    rows_a, rows_z = jnp.concatenate([sa, a], axis=1), jnp.concatenate([sz, z], axis=1)
+    folds = [_fold(rows_a, rows_z, (lo < hi) & (lo >= new.lo[:, i:i + 1]) & (hi <= new.hi[:, i:i + 1]))
+             for i in range(f)]
     rows, slots = ring_writes(p0, n_valid, T, la) if la else (jnp.zeros((B, 0), jnp.int32),) * 2
     take = lambda v: jnp.take_along_axis(v, rows[..., None], axis=1)  # noqa: E731
-    unmoved = jnp.where(end == folded, la + 1, 0)[:, None]  # a row that folds nothing (e.g. held) keeps its state
-    return StateWrites(jnp.concatenate([fa[:, None], take(a)], axis=1), jnp.concatenate([fz[:, None], take(z)], axis=1),
-                       jnp.concatenate([unmoved, slots + 1], axis=1))
+    unmoved = (end == folded)[:, None]  # a row that folds nothing (e.g. held) keeps its state
+    fold_slots = jnp.where(unmoved, S, jnp.arange(f, dtype=jnp.int32)[None, :])
+    return StateWrites(jnp.concatenate([jnp.stack([fa for fa, _ in folds], 1), take(a)], axis=1),
+                       jnp.concatenate([jnp.stack([fz for _, fz in folds], 1), take(z)], axis=1),
+                       jnp.concatenate([fold_slots, slots + f], axis=1))
 
 
 def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.ndarray, p0: jnp.ndarray,
@@ -201,32 +222,28 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     """Runs a compressor over the chunk x `[B, T, D]`, row b at positions p0[b].., with its state.
 
     The state, state_a/z fp32 `[B, S, C]` (the projections, and the gate scores with `ape`), holds
-    what the blocks a later chunk pools need of each row's positions before it:
-    - with overlap (ratio 4): a ring of the projections, position s in slot s % S (S >= 2 ratio):
-      the previous block and the current one;
-    - without (ratio 128): slot 0 folds the current block's positions before folded[b] (int32 `[B]`,
-      default p0) into one row (`_fold`: their scores' log-sum-exp and their softmax-weighted
-      projections, which weigh in the block's softmax pool as those positions do together), and
-      slots 1 .. S - 1 are a ring of the positions from folded[b] on (s in slot 1 + s % (S - 1)):
-      a step folds all its tokens but the last S - 1 (`fold_point`), which a verification may
-      reject (speculative drafts). So the state is 1 + lookahead rows, not a block's.
-    Positions before 0 count as missing (weight 0). Slots of other positions are never read, so a
-    ring larger than needed lets a step write positions past those it keeps without touching what
-    later steps read.
+    what the blocks a later chunk pools need of each row's positions before it, folded: the
+    positions of the open block before folded[b] (int32 `[B]`, default p0) as one row (`_fold`:
+    their scores' log-sum-exp and their softmax-weighted projections, which weigh in the block's
+    per-channel softmax pool as those positions do together), with overlap (ratio 4) first the
+    block before it as one row too (its first halves are the open block's entry's other
+    candidates), then a ring of the positions from folded[b] on (s in slot folds + s % lookahead).
+    A step folds all its tokens but the last S - folds (`fold_point`), which a verification may
+    reject (speculative drafts). So the state is folds + lookahead rows, not one or two blocks'.
+    Positions before 0 count as missing (weight 0); a row restarted before its fold point
+    (`cache.reset_rows`) finds nothing usable in its state.
     n_valid int32 `[B]` (default T): row b's real tokens, the first n_valid[b] of its chunk; the
     rest are padding, which completes no block.
     Returns (entries `[B, n, d]`, row b's entry i being entry p0[b] // ratio + i, i < n =
     (T + ratio - 1) // ratio, zero where i >= n_new[b]; n_new int32 `[B]`, the blocks each row
     completes; the StateWrites for the caller to write into the state).
-    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`; with overlap a decode step (T = 1)
-    reads the layer's ring only when some row completes a block (a slice taken before the
-    `lax.cond` is copied out of the stack on every step).
+    With `layer`, state_a/z are the kind's stacks `[n, B, S, C]`, read at that layer.
     """
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
-    overlap = BY_RATIO[ratio].overlap
-    coff = 2 if overlap else 1
+    folded = p0 if folded is None else folded
+    coff = _folds(ratio)
     n = (T + ratio - 1) // ratio
     xf = x.astype(jnp.float32)
     pos = p0[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -235,24 +252,14 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
     first = p0 // ratio
     n_new = (p0 + n_valid) // ratio - first
     base = (first - coff + 1) * ratio  # [B] the span's first position: the previous block, or the current one
-
-    def layer_state():
-        if layer is None:
-            return state_a, state_z
-        return tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (state_a, state_z))
-
-    if not overlap:
-        folded = p0 if folded is None else folded
-        sa, sz = layer_state()  # 1 + lookahead rows: read on every step
+    sa, sz = (state_a, state_z) if layer is None else (
+        jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in (state_a, state_z))
+    held = _held(sa.shape[1], ratio, p0, folded)
 
     def span():
-        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the state
-        (0 and -inf before position 0), then the chunk from row p0 - base."""
-        held = base[:, None] + jnp.arange(coff * ratio, dtype=jnp.int32)  # [B, coff * ratio] positions
-        if overlap:
-            old_a, old_z = _ring_rows(*layer_state(), held, held < 0)
-        else:
-            old_a, old_z = _folded_rows(sa, sz, held, p0, folded)
+        """Per row the positions base .. base + (coff + n) * ratio - 1: those below p0 from the state,
+        then the chunk from row p0 - base."""
+        old_a, old_z = _state_rows(sa, sz, held, base[:, None] + jnp.arange(coff * ratio, dtype=jnp.int32))
 
         def place(old, new, off, fill):
             row = jnp.concatenate([old, jnp.full((n * ratio, old.shape[-1]), fill, jnp.float32)])
@@ -286,14 +293,7 @@ def compress_chunk(cp: dict, x: jnp.ndarray, state_a: jnp.ndarray, state_z: jnp.
         entries = jax.lax.cond(jnp.any(n_new > 0), pool, lambda: jnp.zeros((B, n, d), x.dtype))
     else:
         entries = pool()
-    if overlap:
-        S = state_a.shape[-2]
-        rows, slots = ring_writes(p0, n_valid, T, S)
-        take = lambda v: jnp.take_along_axis(v, rows[..., None], axis=1)  # noqa: E731
-        writes = StateWrites(take(a), take(z), slots)
-    else:
-        writes = _refold(sa, sz, a, z, p0, n_valid, folded, ratio)
-    return entries, n_new, writes
+    return entries, n_new, _refold(sa, sz, a, z, p0, n_valid, folded, held, ratio)
 
 
 def _over_pool(pool: jnp.ndarray, new: jnp.ndarray, first_new: jnp.ndarray, axis: int) -> jnp.ndarray:

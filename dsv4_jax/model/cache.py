@@ -20,25 +20,27 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
     shared         int32 [B]                positions before it sit in blocks shared with other rows
                                             (prefix caching): their entries are read from the pools,
                                             never computed into them (with the table)
-    folded         int32 [B]                the ratio-128 compressors' folded state row ends here
-                                            (with ratio-128 layers; attention.compress_chunk)
+    folded         int32 [B]                the compressors' folded state rows end here
+                                            (attention.compress_chunk)
     window (window-only layers, n of them):
       ring         [n, B, W + la, Dh]           sliding-window K=V rows (fp8: record words, below)
     csa (ratio-4 layers):
       ring         [n, B, W + la, Dh]
       pool         [n, NB, block_size / 4, Dh]  compressed entries
-      state_a/z    [n, B, 8 + la, 2 Dh]  fp32   projections of the recent positions (the previous
-                                                block and the current one); z includes `ape`
+      state_a/z    [n, B, 2 + la, 2 Dh]  fp32   the compressor's projections (z with `ape`): the
+                                                block before the open one folded into one row, the
+                                                open block's positions before `folded` into one,
+                                                then a ring of the positions after it
+                                                (attention.compress_chunk)
     indexer (ratio-4 layers that run their indexer's compressor: all of them, or only those that
              compute their top-k under IndexCache with index_cache_skip_compressor):
-      pool         [n, NB, block_size / 4, dI]  the indexer's keys
-      state_a/z    [n, B, 8 + la, 2 dI]  fp32
+      pool         [n, NB, block_size / 4, dI]  the indexer's keys (fp8: record words, below)
+      state_a/z    [n, B, 2 + la, 2 dI]  fp32
     hca (ratio-128 layers):
       ring         [n, B, W + la, Dh]
       pool         [n, NB, block_size / 128, Dh]
-      state_a/z    [n, B, 1 + la, Dh]  fp32     the current block's positions before `folded` folded
+      state_a/z    [n, B, 1 + la, Dh]  fp32     the open block's positions before `folded` folded
                                                 into one row, then a ring of the positions after it
-                                                (attention.compress_chunk)
 
 With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry, and every window
 ring (the MTP block's too) each K=V row, as DeepSeek's FP8 record (dsv4_jax/model/kv_record.py:
@@ -49,7 +51,9 @@ holds when it computes it and decodes the records it reads. The rings hold recor
 do because DeepSeek's reference FP8-simulates every K=V row (the window's as the compressed
 entries: act_quant on the NoPE values, blocks of 64, UE8M0 scales; architecture.md §5.2) and the
 serving engines (vLLM, FlashMLA) store the sliding-window cache in the same record (§11.4). The
-indexer's keys stay in the compute dtype.
+indexer's keys are records too, with no RoPE part (the Hadamard rotation mixes every dim): 128
+e4m3 values with a power-of-two scale per 64, 136 bytes a key against 256 in bf16 (the serving
+engines keep them in FP8 as well, §11.4: 128 e4m3 bytes and one fp32 scale).
 
 A row reads only slots and entries of positions below its own that it wrote itself (positions
 before 0 count as missing: a block before the first gets softmax weight 0), so a row is reset by
@@ -138,7 +142,6 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
     if _compress_ratios(cfg):
         spec["blocks"] = ((batch, nb), jnp.int32)
         spec["shared"] = ((batch,), jnp.int32)
-    if any(not k.overlap for k in COMPRESSED if cfg.layers_of_ratio(k.ratio)):
         spec["folded"] = ((batch,), jnp.int32)
     for kind in KINDS:  # each kind's layers stacked on their own
         n = len(cfg.layers_of_ratio(kind.ratio))
@@ -152,7 +155,8 @@ def cache_spec(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int
         ni = len(indexer_state_layers(cfg)) if kind.indexer else 0
         if ni:
             w = kind.compressor_width(dI)
-            spec["indexer"] = {"pool": ((ni, NB, E, dI), dtype), "state_a": ((ni, batch, s, w), f32),
+            key = ((record_bytes(dI, 0) // 4,), jnp.uint32) if kv_cache_dtype == "fp8" else ((dI,), dtype)
+            spec["indexer"] = {"pool": ((ni, NB, E) + key[0], key[1]), "state_a": ((ni, batch, s, w), f32),
                                "state_z": ((ni, batch, s, w), f32)}
     return spec
 
@@ -200,7 +204,7 @@ def reset_rows(cache: dict, rows: jnp.ndarray, start=0) -> dict:
     return {**cache, **moved}
 
 
-def _per_row(path) -> int | None:
+def row_axis(path) -> int | None:
     """The row axis of a cache leaf (None for a pool, which the rows share)."""
     keys = tuple(getattr(k, "key", k) for k in path)
     if keys in ROW_LEAVES:
@@ -212,7 +216,7 @@ def take_rows(cache: dict, rows: jnp.ndarray) -> dict:
     """The sub-cache of the rows `rows` (int `[R]`), for a step on those rows alone: their
     positions, tables, rings and states, and the whole shared pools."""
     def take(path, a):
-        axis = _per_row(path)
+        axis = row_axis(path)
         return a if axis is None else jnp.take(a, rows, axis=axis)
 
     return jax.tree_util.tree_map_with_path(take, cache)
@@ -222,7 +226,7 @@ def put_rows(cache: dict, rows: jnp.ndarray, sub: dict) -> dict:
     """cache with the rows `rows` (int `[R]`) replaced by the sub-cache `sub` (as take_rows gives),
     and the pools by the sub-cache's (which the step wrote into)."""
     def put(path, a, b):
-        axis = _per_row(path)
+        axis = row_axis(path)
         if axis is None:
             return b
         return a.at[rows].set(b) if axis == 0 else a.at[:, rows].set(b)
@@ -238,7 +242,7 @@ def fork_rows(cache: dict, src: jnp.ndarray, dst: jnp.ndarray, src_block: jnp.nd
     writing into, its full blocks shared by the table. A dst or dst_block past the last is
     padding: nothing written."""
     def copy(path, a):
-        axis = _per_row(path)
+        axis = row_axis(path)
         if axis is None:
             return a.at[:, dst_block].set(a[:, src_block], mode="drop")
         return a.at[dst].set(a[src], mode="drop") if axis == 0 else a.at[:, dst].set(a[:, src], mode="drop")

@@ -109,7 +109,7 @@ class _Chunk(NamedTuple):
     compress_freqs: jnp.ndarray  # [rope/2]
     blocks: jnp.ndarray | None  # int32 [B, nb]: each row's block table (cache.py); None without pools
     shared: jnp.ndarray  # int32 [B]: positions before it are in shared blocks (cache.py), 0 without pools
-    folded: jnp.ndarray  # int32 [B]: the ratio-128 compressors' folded state row ends here (attention.compress_chunk)
+    folded: jnp.ndarray  # int32 [B]: the compressors' folded state rows end here (attention.compress_chunk)
     groups: int  # row / block groups of the pools' reads and writes (cache._by_group): 1 unless in place on a mesh
 
 
@@ -174,37 +174,48 @@ def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     return o, last_ids, ctx.payloads({"window": {"kv": kv}}), _NO_AUX
 
 
-def _loaded(rows: jnp.ndarray, cfg: ModelConfig, dtype) -> jnp.ndarray:
-    """Entries read from a pool, or K=V rows from a ring, `[..., Dh]`; FP8 records (words
-    `[..., R / 4]`, cache.py) decoded to dtype."""
+def _kv_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(values, RoPE dims among them) of a K=V row or compressed entry, as its FP8 record holds them."""
+    return cfg.head_dim, cfg.rope_head_dim
+
+
+def _key_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(values, RoPE dims) of an indexer key's FP8 record: the Hadamard rotation mixes every dim,
+    so none is kept apart."""
+    return cfg.index_head_dim, 0
+
+
+def _loaded(rows: jnp.ndarray, dims: tuple[int, int], dtype) -> jnp.ndarray:
+    """Rows read from a pool or a ring, `[..., d]`; FP8 records of dims (`_kv_dims`, `_key_dims`)
+    (words `[..., R / 4]`, cache.py) decoded to dtype."""
     if rows.dtype != jnp.uint32:
         return rows
-    return kv_record.decode(kv_record.from_words(rows), cfg.head_dim, cfg.rope_head_dim, dtype)
+    return kv_record.decode(kv_record.from_words(rows), *dims, dtype)
 
 
-def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray | jax.ShapeDtypeStruct, cfg: ModelConfig) -> jnp.ndarray:
-    """A chunk's new entries or K=V rows `[B, n, Dh]` as `pool` (a pool or a ring, or their
-    ShapeDtypeStruct) will hold them: the values of their FP8 records when it holds records, so
-    that the chunk reads what later steps read."""
-    return kv_record.fp8_round(entries, cfg.rope_head_dim) if pool.dtype == jnp.uint32 else entries
+def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray | jax.ShapeDtypeStruct, rope: int) -> jnp.ndarray:
+    """A chunk's new entries, keys or K=V rows `[B, n, d]` (the last `rope` dims RoPE'd) as `pool`
+    (a pool or a ring, or their ShapeDtypeStruct) will hold them: the values of their FP8 records
+    when it holds records, so that the chunk reads what later steps read."""
+    return kv_record.fp8_round(entries, rope) if pool.dtype == jnp.uint32 else entries
 
 
-def _stored(entries: jnp.ndarray, pool: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Entries or K=V rows `[B, n, Dh]` in the form `pool` (a pool or a ring) stores: FP8 records
-    (words `[B, n, R / 4]`) or themselves."""
+def _stored(entries: jnp.ndarray, pool: jnp.ndarray, rope: int) -> jnp.ndarray:
+    """Entries, keys or K=V rows `[B, n, d]` in the form `pool` (a pool or a ring) stores: FP8
+    records (words `[B, n, R / 4]`) or themselves."""
     if pool.dtype != jnp.uint32:
         return entries
-    return kv_record.to_words(kv_record.encode(entries, cfg.rope_head_dim))
+    return kv_record.to_words(kv_record.encode(entries, rope))
 
 
 def _window(ring: jnp.ndarray, lay: _LayerInput, cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
     """A layer's window, every branch's: (its ring `[B, W + la, Dh]` in lay.kv's dtype, FP8 records
     decoded, for the attention; the chunk's K=V rows as the ring stores them, `[B, T, Dh]` or
     record words `[B, T, R / 4]`, for `_store`)."""
-    return _loaded(ring, cfg, lay.kv.dtype), _stored(lay.kv, ring, cfg)
+    return _loaded(ring, _kv_dims(cfg), lay.kv.dtype), _stored(lay.kv, ring, cfg.rope_head_dim)
 
 
-def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg: ModelConfig) -> jnp.ndarray:
+def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, dims: tuple[int, int]) -> jnp.ndarray:
     """A chunk's new entries `[B, n, d]` (row b's i-th is entry p0[b] // ratio + i), those before
     the row's shared position taken from its shared blocks in pool `[NB, E, d]` instead: a row
     restarted inside a cached prefix computes them from don't-cares (cache.py), and its later
@@ -215,7 +226,7 @@ def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, cfg
     ids = ch.p0[:, None] // ratio + jnp.arange(entries.shape[1], dtype=jnp.int32)
     held = jnp.clip(ids, 0, ch.blocks.shape[1] * pool.shape[1] - 1)
     return jnp.where((ids < ch.shared[:, None] // ratio)[..., None],
-                     _loaded(pool_entries(pool, ch.blocks, held, ch.groups), cfg, entries.dtype), entries)
+                     _loaded(pool_entries(pool, ch.blocks, held, ch.groups), dims, entries.dtype), entries)
 
 
 def _state_payload(w: attention.StateWrites) -> dict:
@@ -230,57 +241,60 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     T = lay.q.shape[1]
     own, c = take_layer(ctx.params["csa"], lay.local), take_layer(caches["csa"], lay.local)
     entries, n_new, state = attention.compress_chunk(
-        own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid)
-    entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, CSA, cfg)
+        own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid,
+        folded=ch.folded)
+    rope = cfg.rope_head_dim
+    entries = _pinned(_as_stored(entries, c["pool"], rope), c["pool"], ch, CSA, _kv_dims(cfg))
     ring, kv = _window(c["ring"], lay, cfg)
-    out = {"csa": {"kv": kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}}
+    out = {"csa": {"kv": kv, "entries": _stored(entries, c["pool"], rope), "n_new": n_new, **_state_payload(state)}}
     measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
     # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
     # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
     x, c_q = jax.lax.stop_gradient(lay.x), jax.lax.stop_gradient(lay.c_q)
 
     def indexer_keys():
-        """This layer's indexer keys of the chunk (and its compressor's payload) and its key pool."""
+        """This layer's indexer keys of the chunk, its compressor's payload (the keys as the pool
+        stores them) and its key pool."""
         ci = take_layer(caches["indexer"], lay.index_local)
         keys, n_keys, state = attention.compress_chunk(
             own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
-            n_valid=ch.n_valid)
-        keys = _pinned(keys, ci["pool"], ch, CSA, cfg)
-        return {"entries": keys, "n_new": n_keys, **_state_payload(state)}, ci["pool"]
+            n_valid=ch.n_valid, folded=ch.folded)
+        keys = _pinned(_as_stored(keys, ci["pool"], 0), ci["pool"], ch, CSA, _key_dims(cfg))
+        return keys, {"entries": _stored(keys, ci["pool"], 0), "n_new": n_keys, **_state_payload(state)}, ci["pool"]
 
     def own_choice(keys, key_pool):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
-        pool = pool_view(key_pool, ch.blocks, ch.groups)
+        pool = _loaded(pool_view(key_pool, ch.blocks, ch.groups), _key_dims(cfg), keys.dtype)
         scores = attention.indexer_logits(own["indexer"], x, c_q, lay.cos, lay.sin, pool, keys, ch.p0, cfg)
         return scores, attention.indexer_select(scores, ch.p0, pool.shape[1], cfg)
 
+    first = ch.p0 // CSA
+    ordered = None  # every entry in entry order `[B, P + n, Dh]`: a prefill chunk's rows, the reuse measures'
+    if T > 1 or (reuse and ctx.measure_reuse):
+        ordered = attention.in_entry_order(_loaded(pool_view(c["pool"], ch.blocks, ch.groups), _kv_dims(cfg),
+                                                   entries.dtype), entries, first)
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
         ids = last_ids
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
-            payload, key_pool = indexer_keys()
+            keys, payload, key_pool = indexer_keys()
             if ctx.measure_reuse:
-                rows = attention.in_entry_order(_loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype),
-                                                entries, ch.p0 // CSA)
-                measures = attention.reuse_measures(lay.q, ring, lay.kv, rows,
-                                                    own_choice(payload["entries"], key_pool)[1], ids, lay.sink,
-                                                    ch.p0, cfg)
+                measures = attention.reuse_measures(lay.q, ring, lay.kv, ordered, own_choice(keys, key_pool)[1], ids,
+                                                    lay.sink, ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
-        out["indexer"], key_pool = indexer_keys()
-        scores, ids = own_choice(out["indexer"]["entries"], key_pool)
-    first = ch.p0 // CSA
+        keys, out["indexer"], key_pool = indexer_keys()
+        scores, ids = own_choice(keys, key_pool)
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
-        rows = jnp.where(old, _loaded(pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups), cfg,
+        rows = jnp.where(old, _loaded(pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups), _kv_dims(cfg),
                                       entries.dtype),
                          jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
                                              axis=2))
         comp_rows = rows[:, 0]
         comp_idx = jnp.where(ids >= 0, jnp.arange(ids.shape[-1], dtype=jnp.int32), -1)
     else:
-        pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
-        comp_rows, comp_idx = attention.in_entry_order(pool, entries, first), ids
+        comp_rows, comp_idx = ordered, ids
         if ctx.indexer_kl and not reuse:
             kl = distillation_kl(lay.q, comp_rows, scores, ids, cfg.head_dim ** -0.5)
     o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
@@ -295,14 +309,15 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     entries, n_new, state = attention.compress_chunk(
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid, folded=ch.folded)
-    entries = _pinned(_as_stored(entries, c["pool"], cfg), c["pool"], ch, HCA, cfg)
-    pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), cfg, entries.dtype)
+    rope = cfg.rope_head_dim
+    entries = _pinned(_as_stored(entries, c["pool"], rope), c["pool"], ch, HCA, _kv_dims(cfg))
+    pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), _kv_dims(cfg), entries.dtype)
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
     ring, kv = _window(c["ring"], lay, cfg)
     o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"kv": kv, "entries": _stored(entries, c["pool"], cfg), "n_new": n_new, **_state_payload(state)}
+    payload = {"kv": kv, "entries": _stored(entries, c["pool"], rope), "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
 
@@ -359,7 +374,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     # Rounded to its FP8 record's values when the rings hold records (all of them or none:
     # cache_spec), so that this chunk attends to what later steps read back from the ring.
     ring = next(g["ring"] for g in ctx.cache_shapes.values() if "ring" in g)
-    kv = _as_stored(attention.key_value(a, x, cos, sin, cfg), ring, cfg)
+    kv = _as_stored(attention.key_value(a, x, cos, sin, cfg), ring, cfg.rope_head_dim)
     lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
     # Branches only read the caches and return the rows to store; the writes come after the
     # switch, unconditionally, into every group's stacks: at the layer's own index when its
@@ -430,7 +445,8 @@ def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray
     (h, stacks, _), (aux, load) = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
     moved = {"pos": chunk.p0 + chunk.n_valid}
     if "folded" in cache:
-        moved["folded"] = attention.fold_point(chunk.p0, chunk.n_valid, cache["hca"]["state_a"].shape[2] - 1)
+        lookahead = next(g["ring"].shape[2] for g in stacks.values() if "ring" in g) - cfg.sliding_window
+        moved["folded"] = attention.fold_point(chunk.p0, chunk.n_valid, lookahead)
     return h, {**cache, **moved, **stacks}, aux, load
 
 

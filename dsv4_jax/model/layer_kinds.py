@@ -25,10 +25,10 @@ class LayerKind:
         return 2 * d if self.overlap else d
 
     def state_rows(self, lookahead: int = 0) -> int:
-        """Rows of compressor state a sequence keeps (attention.compress_chunk): with overlap the
-        tokens of both open spans, else one row folding the open block's tokens; plus `lookahead`
+        """Rows of compressor state a sequence keeps (attention.compress_chunk): one folding the
+        open block's tokens, with overlap one more folding the block before it; plus `lookahead`
         rows for drafts a verification may reject."""
-        return (2 * self.ratio if self.overlap else 1) + lookahead
+        return (2 if self.overlap else 1) + lookahead
 
 
 KINDS = (LayerKind("window", 0, "sliding_attention", overlap=False, indexer=False),

@@ -2,7 +2,7 @@
 memory (issue 28).
 
     python -m dsv4_jax.tools.capacity_report [--preset tiny|flash-mini | --ckpt DIR] [--dtype bfloat16|float32]
-        [--kv-cache-dtype auto|fp8] --memory 512MiB [--seq-len 1024] [--baseline-max-len 8192]
+        [--kv-cache-dtype auto|fp8] [--baseline-kv-cache-dtype auto|fp8] --memory 512MiB [--seq-len 1024] [--baseline-max-len 8192]
         [--paged-max-len N] [--max-tokens 16] [--requests N] [--seed 0] [--computed-memory BYTES]
 
 With the same cache memory M (--memory: every per-sequence array of the cache, i.e. window rings,
@@ -14,7 +14,8 @@ compressor states and block table, plus the pools) two engines are built on one 
   when a sequence needs only its --seq-len tokens of blocks; the rest of M goes to the pool (at
   least one max_len sequence of blocks, which the engine requires).
 
-Each gets --requests (default: one more than the paged engine's slots) random-prompt greedy
+Each stores its cache in --kv-cache-dtype; --baseline-kv-cache-dtype gives the slot engine another
+(say today's default, the compute dtype, against the paged engine's FP8 records). Each gets --requests (default: one more than the paged engine's slots) random-prompt greedy
 requests of --seq-len tokens in all (prompt and --max-tokens), steps until they are done, and
 reports the bytes of its allocated cache arrays (per-slot arrays and pools apart; their sum <= M),
 slots, num_blocks, the peak of the requests running at once (the engine's `stats()["running"]`
@@ -37,14 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.model.cache import KV_CACHE_DTYPES, _per_row, block_bytes, blocks_per_row, cache_spec, default_block_size
+from dsv4_jax.model.cache import KV_CACHE_DTYPES, row_axis, block_bytes, blocks_per_row, cache_spec, default_block_size
 from dsv4_jax.runtime.cli_args import ArgumentParser, UsageError, byte_size
 
 
 def _part(path) -> str:
     """What a cache leaf is, by its name: a pool, a ring, a compressor state or the table (pos,
     blocks, shared)."""
-    if _per_row(path) is None:
+    if row_axis(path) is None:
         return "pools"
     key = str(getattr(path[-1], "key", path[-1]))
     return "rings" if key.startswith("ring") else "compressor_states" if key.startswith("state") else "table"
@@ -68,20 +69,21 @@ def per_sequence(cfg, max_len: int, dtype, kv_cache_dtype: str) -> dict:
     return out
 
 
-def plan(cfg, memory: int, seq_len: int, baseline_max_len: int, paged_max_len: int, dtype, kv_cache_dtype: str) -> dict:
-    """Slots and blocks of both engines in `memory` bytes (0 slots: it holds none), what a
-    sequence holds in each, the ratio of their slots and its limit for large memory (the ratio of
-    the bytes a sequence holds)."""
+def plan(cfg, memory: int, seq_len: int, baseline_max_len: int, paged_max_len: int, dtype,
+         kv_cache_dtypes: dict) -> dict:
+    """Slots and blocks of both engines in `memory` bytes (0 slots: it holds none), each with its
+    kv_cache_dtypes[name], what a sequence holds in each, the ratio of their slots and its limit
+    for large memory (the ratio of the bytes a sequence holds)."""
     bs = default_block_size(cfg)
     out = {}
     for name, max_len, need in (("baseline", baseline_max_len, baseline_max_len), ("paged", paged_max_len, seq_len)):
-        seq = per_sequence(cfg, max_len, dtype, kv_cache_dtype)
+        seq = per_sequence(cfg, max_len, dtype, kv_cache_dtypes[name])
         nb, least = blocks_per_row(need, bs), blocks_per_row(max_len, bs)
         slots = memory // (seq["slot"] + nb * seq["block"])
         while slots and memory - slots * seq["slot"] < max(slots * nb, least) * seq["block"]:
             slots -= 1  # the pool must hold one max_len sequence
         blocks = nb * slots if name == "baseline" else (memory - slots * seq["slot"]) // seq["block"] * (slots > 0)
-        out[name] = {"max_len": max_len, "slots": slots, "num_blocks": blocks, "blocks_per_sequence": nb,
+        out[name] = {"kv_cache_dtype": kv_cache_dtypes[name], "max_len": max_len, "slots": slots, "num_blocks": blocks, "blocks_per_sequence": nb,
                      "sequence_bytes": {**{k: seq[k] for k in ("rings", "compressor_states",
                                                                "compressor_states_by_kind", "table")},
                                         "pool_blocks": nb * seq["block"], "total": seq["slot"] + nb * seq["block"]},
@@ -120,19 +122,20 @@ def run(engine, requests: int, seq_len: int, max_tokens: int, seed: int) -> dict
 
 
 def report(model, sizing: dict, memory: int, seq_len: int, max_tokens: int, requests: int | None,
-           kv_cache_dtype: str, seed: int) -> dict:
+           seed: int) -> dict:
     """Both engines of `sizing` (plan's) built and run one after the other (prefix caching off:
     the blocks in use are the running requests'), and the ratio of their peaks."""
     from dsv4_jax.runtime.engine import Engine
 
     requests = sizing["paged"]["slots"] + 1 if requests is None else requests
-    per = block_bytes(model.config, default_block_size(model.config), model.dtype, kv_cache_dtype)
     out = {}
     for name in ("baseline", "paged"):
         p = sizing[name]
+        kv_cache_dtype = p["kv_cache_dtype"]
+        per = block_bytes(model.config, default_block_size(model.config), model.dtype, kv_cache_dtype)
         engine = Engine(model, slots=p["slots"], max_len=p["max_len"], kv_cache_memory=p["num_blocks"] * per,
                         kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
-        out[name] = {"max_len": engine.max_len, "slots": engine.slots, "num_blocks": engine.num_blocks,
+        out[name] = {"kv_cache_dtype": kv_cache_dtype, "max_len": engine.max_len, "slots": engine.slots, "num_blocks": engine.num_blocks,
                      "allocated_bytes": allocated(engine), **run(engine, requests, seq_len, max_tokens, seed)}
         assert out[name]["allocated_bytes"]["total"] <= memory, (name, out[name]["allocated_bytes"], memory)
         del engine
@@ -141,11 +144,11 @@ def report(model, sizing: dict, memory: int, seq_len: int, max_tokens: int, requ
     return out
 
 
-def computed(memory: int, seq_len: int, baseline_max_len: int, paged_max_len: int, kv_cache_dtype: str) -> dict:
+def computed(memory: int, seq_len: int, baseline_max_len: int, paged_max_len: int, kv_cache_dtypes: dict) -> dict:
     """plan() for the published models in bf16, M bytes per device (computed, not run)."""
     from dsv4_jax.model.presets import preset
 
-    return {name: plan(preset(name), memory, seq_len, baseline_max_len, paged_max_len, jnp.bfloat16, kv_cache_dtype)
+    return {name: plan(preset(name), memory, seq_len, baseline_max_len, paged_max_len, jnp.bfloat16, kv_cache_dtypes)
             for name in ("flash", "pro")}
 
 
@@ -155,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny", help="random_checkpoint preset without --ckpt")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    ap.add_argument("--baseline-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                    help="the slot engine's (default: --kv-cache-dtype)")
     ap.add_argument("--memory", type=byte_size, required=True, help="cache bytes of each engine (512MiB, 2GB, ...)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens of each request (prompt and max tokens)")
     ap.add_argument("--baseline-max-len", type=int, default=8192)
@@ -188,8 +193,10 @@ def main(argv=None) -> int:
         if max(paged_max_len, args.baseline_max_len) > model.config.max_position_embeddings:
             raise UsageError(f"max_len {max(paged_max_len, args.baseline_max_len)} exceeds the model's "
                              f"max_position_embeddings ({model.config.max_position_embeddings})")
+        kv_cache_dtypes = {"baseline": args.baseline_kv_cache_dtype or args.kv_cache_dtype,
+                           "paged": args.kv_cache_dtype}
         sizing = plan(model.config, args.memory, args.seq_len, args.baseline_max_len, paged_max_len, model.dtype,
-                      args.kv_cache_dtype)
+                      kv_cache_dtypes)
         for name in ("baseline", "paged"):
             if not sizing[name]["slots"]:
                 raise UsageError(f"--memory {args.memory} bytes holds no {name} sequence: one needs "
@@ -198,12 +205,11 @@ def main(argv=None) -> int:
         print(f"capacity_report: error: {e}", file=sys.stderr)
         return 1
     out = {"tool": "capacity_report", "model": args.ckpt or args.preset, "dtype": args.dtype,
-           "kv_cache_dtype": args.kv_cache_dtype, "memory": args.memory, "seq_len": args.seq_len,
+           "memory": args.memory, "seq_len": args.seq_len,
            "max_tokens": args.max_tokens, "computed_memory": args.computed_memory or args.memory,
-           **report(model, sizing, args.memory, args.seq_len, args.max_tokens, args.requests, args.kv_cache_dtype,
-                    args.seed),
+           **report(model, sizing, args.memory, args.seq_len, args.max_tokens, args.requests, args.seed),
            "computed": computed(args.computed_memory or args.memory, args.seq_len, args.baseline_max_len,
-                                paged_max_len, args.kv_cache_dtype)}
+                                paged_max_len, kv_cache_dtypes)}
     print(json.dumps(out, indent=1))
     return 0
 
