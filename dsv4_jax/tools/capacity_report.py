@@ -179,17 +179,9 @@ def main(argv=None) -> int:
                              f"{min(args.baseline_max_len, paged_max_len)}")
         if args.requests is not None and args.requests < 1:
             raise UsageError("--requests must be >= 1")
-        import dsv4_jax
-        from dsv4_jax.tools.random_checkpoint import PRESETS
+        from dsv4_jax.tools.random_checkpoint import report_model
 
-        dtype = getattr(jnp, args.dtype)
-        if args.ckpt:
-            model = dsv4_jax.load(args.ckpt, dtype=dtype)
-        else:
-            if args.preset not in PRESETS:
-                raise UsageError(f"--preset must be one of {sorted(PRESETS)}")
-            cfg = PRESETS[args.preset][0]
-            model = dsv4_jax.DeepseekV4(dsv4_jax.init_params(cfg, seed=args.seed, dtype=dtype), cfg)
+        model = report_model(args.ckpt, args.preset, getattr(jnp, args.dtype), args.seed)
         if max(paged_max_len, args.baseline_max_len) > model.config.max_position_embeddings:
             raise UsageError(f"max_len {max(paged_max_len, args.baseline_max_len)} exceeds the model's "
                              f"max_position_embeddings ({model.config.max_position_embeddings})")

@@ -78,17 +78,9 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         if args.prompt_len < 1 or args.decode_steps < 0:
             raise UsageError("--prompt-len must be >= 1 and --decode-steps >= 0")
-        import dsv4_jax
-        from dsv4_jax.tools.random_checkpoint import PRESETS
+        from dsv4_jax.tools.random_checkpoint import report_model
 
-        dtype = getattr(jnp, args.dtype)
-        if args.ckpt:
-            model = dsv4_jax.load(args.ckpt, dtype=dtype)
-        else:
-            if args.preset not in PRESETS:
-                raise UsageError(f"--preset must be one of {sorted(PRESETS)}")
-            cfg = PRESETS[args.preset][0]
-            model = dsv4_jax.DeepseekV4(dsv4_jax.init_params(cfg, seed=args.seed, dtype=dtype), cfg)
+        model = report_model(args.ckpt, args.preset, getattr(jnp, args.dtype), args.seed)
     except UsageError as e:
         print(f"kv_cache_report: error: {e}", file=sys.stderr)
         return 1

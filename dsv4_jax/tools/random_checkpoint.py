@@ -98,6 +98,20 @@ def preset_config(preset: str, with_mtp: bool = False) -> ModelConfig:
 
 # ---- tokenizer ------------------------------------------------------------------------------
 
+def report_model(ckpt: str | None, preset: str, dtype, seed: int = 0):
+    """The model a report tool runs: the converted checkpoint `ckpt` in dtype, else a random-weight
+    model of `preset` (seeded); an unknown preset is a UsageError naming --preset."""
+    import dsv4_jax
+    from dsv4_jax.runtime.cli_args import UsageError
+
+    if ckpt:
+        return dsv4_jax.load(ckpt, dtype=dtype)
+    if preset not in PRESETS:
+        raise UsageError(f"--preset must be one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset][0]
+    return dsv4_jax.DeepseekV4(init_params(cfg, seed=seed, dtype=dtype), cfg)
+
+
 def byte_chars() -> list[str]:
     """The printable character byte-level BPE writes for each byte value 0..255 (GPT-2's table:
     printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order)."""
