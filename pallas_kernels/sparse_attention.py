@@ -11,18 +11,21 @@ from .sparse_attention_ref import sparse_attention_ref
 from .sparse_attention_tpu import sparse_attention_tpu
 
 
-def sparse_attention(q, kv, indices, sink, *, scale: float, impl: str = "auto"):
+def sparse_attention(q, kv, indices, sink, *, scale: float, impl: str = "auto", rope_dim: int | None = None):
     """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
     sink fp32 `[H]` -> `[B, T, H, D]` in q's dtype; the semantics of `sparse_attention_ref`.
+    With rope_dim, kv holds DeepSeek's FP8 records (`kv_record`) as uint32 words `[B, N, R / 4]`,
+    and the kernels decode the rows they gather.
 
     impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU, Mosaic GPU on CUDA, the TPU kernel in
     the Pallas interpreter elsewhere) or "auto" (the kernels on TPU / CUDA, the reference elsewhere).
     """
+    kw = dict(scale=scale, rope_dim=rope_dim)
     run = dispatch(
         impl,
-        ref=functools.partial(sparse_attention_ref, scale=scale),
-        tpu=functools.partial(sparse_attention_tpu, scale=scale),
-        gpu=functools.partial(sparse_attention_mgpu, scale=scale),
-        interpret=functools.partial(sparse_attention_tpu, scale=scale, interpret=True),
+        ref=functools.partial(sparse_attention_ref, **kw),
+        tpu=functools.partial(sparse_attention_tpu, **kw),
+        gpu=functools.partial(sparse_attention_mgpu, **kw),
+        interpret=functools.partial(sparse_attention_tpu, **kw, interpret=True),
     )
     return run(q, kv, indices, sink)

@@ -188,7 +188,8 @@ def _kernel(q_g, kv_g, idx_g, sink_g, o_g, idx_s, q_s, sink_s, buf, setup_bar, r
     o_g[qg, :, pl.ds(v * DV, DV)] = out
 
 
-def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, interpret=None, block_k: int = BLOCK_K):
+def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, rope_dim: int | None = None, interpret=None,
+                          block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic GPU kernel for any H (in groups of 64
     heads, padded) and D a multiple of 128 (DeepSeek-V4: H = 64 or 128, D = 512), the reference
     otherwise. interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the
@@ -196,6 +197,8 @@ def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, interpret=None,
     bsz, t_len, h, d = q.shape
     n = kv.shape[1]
     k = indices.shape[-1]
+    if rope_dim is not None:
+        return sparse_attention_ref(q, kv, indices, sink, scale=scale, rope_dim=rope_dim)
     if not supported(h, d, k):
         # D not a multiple of 128 (the output column blocks are 128 wide), K > MAX_K or H = 0 use
         # the reference; the dispatcher traces this branch on every platform, so it must not raise.

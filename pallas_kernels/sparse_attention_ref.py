@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import kv_record
+
 
 def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray, *,
-                         scale: float) -> jnp.ndarray:
+                         scale: float, rope_dim: int | None = None) -> jnp.ndarray:
     """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
-    sink fp32 `[H]`. Returns `[B, T, H, D]` in q's dtype:
+    sink fp32 `[H]`. With rope_dim, kv is FP8 records instead, as uint32 words `[B, N, R / 4]`
+    (`kv_record.to_words`) of D values whose last rope_dim are RoPE'd, read as the values they
+    decode to. Returns `[B, T, H, D]` in q's dtype:
 
         o_h = sum_s exp(l_s - m) kv_s / (sum_s exp(l_s - m) + exp(sink_h - m)),  l_s = scale q_h.kv_s
 
     with the softmax and accumulation in fp32; a row with no valid key gives 0.
     """
+    if rope_dim is not None:
+        kv = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32)
     valid = indices >= 0
     rows = jnp.take_along_axis(kv[:, None, :, :], jnp.where(valid, indices, 0)[..., None], axis=2)
     rows = rows.astype(jnp.float32)  # [B, T, K, D]

@@ -173,8 +173,8 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int):
     )(indices.reshape(-1), q, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1), kv)
 
 
-def sparse_attention_tpu(q, kv, indices, sink, *, scale: float, interpret: bool = False,
-                         block_k: int = BLOCK_K):
+def sparse_attention_tpu(q, kv, indices, sink, *, scale: float, rope_dim: int | None = None,
+                         interpret: bool = False, block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
     interpreter, any platform)."""
     bsz, t_len, _, _ = q.shape

@@ -1,5 +1,5 @@
 """The FP8 KV cache (kv_cache_dtype "fp8", dsv4_jax/model/cache.py): the ratio-4 and ratio-128
-pools and every window ring hold DeepSeek's records (dsv4_jax/model/kv_record.py), 584 bytes an
+pools and every window ring hold DeepSeek's records (pallas_kernels/kv_record.py), 584 bytes an
 entry or K=V row at head_dim 512, the indexer's keys records without a RoPE part; the model's logits equal those of the same model whose records
 (and the values its K=V rows are rounded to) are made by the numpy model of the record
 (tests/test_kv_record.py) within fp32 rounding; the engine serves from them, a request's tokens
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 import hf_oracle as H  # noqa: E402
-from dsv4_jax.model import kv_record  # noqa: E402
+from pallas_kernels import kv_record  # noqa: E402
 from dsv4_jax.model.cache import block_bytes, init_cache  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
 from dsv4_jax.model.mtp import init_mtp_cache  # noqa: E402

@@ -1,4 +1,4 @@
-"""The FP8 KV-cache record (dsv4_jax/model/kv_record.py) against a numpy model of FlashMLA's
+"""The FP8 KV-cache record (pallas_kernels/kv_record.py) against a numpy model of FlashMLA's
 `fp8_ds_mla` layout written here from the spec, byte for byte, and against hand-computed cases."""
 
 import jax
@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax.model import kv_record
+from pallas_kernels import kv_record
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16

@@ -43,7 +43,7 @@ the engine hands blocks out as sequences grow (dsv4_jax/runtime/engine.py).
                                                 into one row, then a ring of the positions after it
 
 With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry, and every window
-ring (the MTP block's too) each K=V row, as DeepSeek's FP8 record (dsv4_jax/model/kv_record.py:
+ring (the MTP block's too) each K=V row, as DeepSeek's FP8 record (pallas_kernels/kv_record.py:
 e4m3 NoPE values with a power-of-two scale per 64, bf16 RoPE values; 584 bytes for head_dim 512)
 in 32-bit words, uint32 `[n, NB, E, record bytes / 4]` and `[n, B, W + la, record bytes / 4]`
 (kv_record.to_words: the same bytes); the model rounds an entry or a K=V row to what its record
@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .kv_record import record_bytes
+from pallas_kernels.kv_record import record_bytes
 from .layer_kinds import COMPRESSED, CSA, KINDS
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype

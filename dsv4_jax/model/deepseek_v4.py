@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import kv_record
 from pallas_kernels.numerics import rms_norm
-from . import attention, kv_record, sharding
+from . import attention, sharding
 from .cache import indexer_state_layers, init_cache, pool_entries, pool_view, pool_write
 from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
 from .config import ModelConfig
