@@ -33,7 +33,7 @@ BLOCK = 64
 _E4M3_MAX = 448.0
 
 
-def _layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
+def layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
     """(nope, number of scale blocks, record bytes) of a head_dim / rope_dim entry."""
     nope = head_dim - rope_dim
     blocks = -(-nope // BLOCK)
@@ -42,7 +42,7 @@ def _layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
 
 def record_bytes(head_dim: int, rope_dim: int) -> int:
     """Bytes of one record: 584 for DeepSeek-V4-Flash (512, 64)."""
-    return _layout(head_dim, rope_dim)[2]
+    return layout(head_dim, rope_dim)[2]
 
 
 def _quantize(nope: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -78,7 +78,7 @@ def _dequantize(q: jnp.ndarray, exponent: jnp.ndarray, n: int) -> jnp.ndarray:
 
 def encode(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:
     """Entries `[..., D]` (bfloat16 or float32) -> records uint8 `[..., record_bytes(D, rope_dim)]`."""
-    nope, blocks, size = _layout(x.shape[-1], rope_dim)
+    nope, blocks, size = layout(x.shape[-1], rope_dim)
     q, exponent = _quantize(x[..., :nope])
     lead = x.shape[:-1]
     codes = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(*lead, blocks * BLOCK)[..., :nope]
@@ -90,7 +90,7 @@ def encode(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:
 
 def decode(rec: jnp.ndarray, head_dim: int, rope_dim: int, dtype=jnp.bfloat16) -> jnp.ndarray:
     """Records uint8 `[..., R]` -> entries `[..., head_dim]` in `dtype`."""
-    nope, blocks, _ = _layout(head_dim, rope_dim)
+    nope, blocks, _ = layout(head_dim, rope_dim)
     lead = rec.shape[:-1]
     codes = jnp.pad(rec[..., :nope], [(0, 0)] * len(lead) + [(0, blocks * BLOCK - nope)])
     q = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).reshape(*lead, blocks, BLOCK)
@@ -100,13 +100,12 @@ def decode(rec: jnp.ndarray, head_dim: int, rope_dim: int, dtype=jnp.bfloat16) -
     return jnp.concatenate([_dequantize(q, exponent, nope).astype(dtype), rope.astype(dtype)], axis=-1)
 
 
-def fp8_round(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:
-    """Entries `[..., D]` -> what their records would give back, `[..., D]` in x's dtype: the
-    same as decode(encode(x), D, rope_dim, x.dtype), without the byte packing."""
-    nope = x.shape[-1] - rope_dim
-    q, exponent = _quantize(x[..., :nope])
-    rope = x[..., nope:].astype(jnp.bfloat16)
-    return jnp.concatenate([_dequantize(q, exponent, nope).astype(x.dtype), rope.astype(x.dtype)], axis=-1)
+def read(rows: jnp.ndarray, head_dim: int, rope_dim: int, dtype) -> jnp.ndarray:
+    """Rows as a cache holds them -> their values: records as words (uint32 `[..., R / 4]`,
+    `to_words`) decoded to `[..., head_dim]` in dtype; rows of values as they are."""
+    if rows.dtype != jnp.uint32:
+        return rows
+    return decode(from_words(rows), head_dim, rope_dim, dtype)
 
 
 def to_words(rec: jnp.ndarray) -> jnp.ndarray:

@@ -22,32 +22,94 @@ tiles"). So for bf16 kv the kernel views kv as 32-bit words [B, N / 2, D] (the w
 even), fetches word row `row // 2` (the row and its neighbour: twice the row's bytes) and keeps
 the slot's own half, exactly: a bf16's fp32 value is its 16 bits on top of 16 zero bits. Other kv
 dtypes are fp32 rows (cast to fp32 first unless they are).
+
+FP8 records (rope_dim given: kv is `kv_record`'s words `[B, N, R / 4]`, 146 for Flash): the kernel
+fetches a row's R bytes and decodes them in VMEM, with integer ops and bitcasts (e4m3 codes,
+UE8M0 scales, bf16 RoPE halves). Word i holds NoPE dims 4i .. 4i + 3, one per byte, and a RoPE word
+two dims, so each byte position j of the words is a "plane" of keys `[BK, R / 4]`: plane j holds
+NoPE dim 4i + j in column i, and planes 0 and 1 also the RoPE word's even and odd dim. A product
+over D is a sum over dims in any order, so the wrapper lays q out the same way (`_record_columns`:
+q's column for each plane and word, zero where a plane has none), the logits are the sum of the
+four planes' products and the output comes out as planes, which the wrapper puts back in order:
+no byte is moved between lanes in the kernel. Decoded values are e4m3 codes times powers of two
+and bf16 RoPE values: exact in bf16, so a bf16 q multiplies them on the MXU in bf16.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from . import kv_record
 
 BLOCK_K = 128  # keys per block: a full lane width for the [H, BK] logits tile
 # Indices scalar-prefetched into SMEM per pallas_call (int32 words). SMEM is small, so a long
 # prefill is split into several calls along T; decode (T = 1) is always one call.
 MAX_PREFETCH_WORDS = 1 << 15
+PLANES = 4  # bytes of a record word
+
+
+class _Rows(NamedTuple):
+    """How the kernel reads a fetched block of kv rows (static): "rows" (fp32 rows), "pairs"
+    (bf16 row pairs as 32-bit words) or "records" (FP8 records as words); for records, the words
+    of the NoPE codes and of the RoPE values, and the first scale word and the scale count."""
+    kind: str
+    nope_words: int = 0
+    rope_words: int = 0
+    scale_word: int = 0
+    scales: int = 0
+
+
+def _e4m3(code):
+    """int32 e4m3fn codes 0..255 -> their float32 values (NaN codes are never written)."""
+    sign = (code & 0x80) << 24
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    normal = lax.bitcast_convert_type(sign | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+    return jnp.where(exponent == 0, jnp.where(sign != 0, -subnormal, subnormal), normal)
+
+
+def _record_planes(words, rows: _Rows):
+    """A block of records as words int32 `[BK, W]` -> the values of its PLANES planes, fp32
+    `[BK, W]` each (column i of plane j: NoPE dim 4i + j; planes 0 / 1 in the RoPE columns: the
+    word's even / odd dim; zero elsewhere)."""
+    col = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+    nope, rope_end = rows.nope_words, rows.nope_words + rows.rope_words
+    scale_words = [jnp.max(jnp.where(col == rows.scale_word + i, words, jnp.iinfo(jnp.int32).min), axis=1,
+                           keepdims=True) for i in range(-(-rows.scales // PLANES))]  # [BK, 1] each
+    scale = jnp.zeros(words.shape, jnp.float32)
+    per_scale = kv_record.BLOCK // PLANES  # words of a 64-value scale block
+    for blk in range(rows.scales):
+        biased = (scale_words[blk // PLANES] >> (8 * (blk % PLANES))) & 0xFF  # 2^(b - 127): b in the exponent field
+        scale = jnp.where((col >= blk * per_scale) & (col < (blk + 1) * per_scale),
+                          lax.bitcast_convert_type(biased << 23, jnp.float32), scale)
+    is_nope = col < nope
+    is_rope = (col >= nope) & (col < rope_end)
+    rope = (lax.bitcast_convert_type(words << 16, jnp.float32),
+            lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32))  # low half: the even dim
+    planes = []
+    for j in range(PLANES):
+        value = jnp.where(is_nope, _e4m3((words >> (8 * j)) & 0xFF) * scale, 0.0)
+        planes.append(jnp.where(is_rope, rope[j], value) if j < 2 else value)
+    return planes
 
 
 def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc, *,
-            scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, pairs: bool, mxu_dtype):
+            scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, rows: _Rows, mxu_dtype):
     b = pl.program_id(0)
     t = pl.program_id(1)
     base = (b * t_len + t) * k_pad  # this token's first index in the flat SMEM array
     # With pairs, kv is viewed as 32-bit words [B, N / 2, D]: word row i holds rows 2i and 2i + 1.
-    src = kv_hbm.bitcast(jnp.uint32) if pairs else kv_hbm
-    shift = 1 if pairs else 0
+    src = kv_hbm.bitcast(jnp.uint32) if rows.kind == "pairs" else kv_hbm
+    shift = 1 if rows.kind == "pairs" else 0
 
     def fetch(blk, slot):
         def body(j, carry):
@@ -75,13 +137,28 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
 
         lax.fori_loop(0, block_k, body, 0)
 
+    def keys(slot, idx):
+        """The fetched block as key planes, fp32 `[BK, C]` each (one plane but for records)."""
+        col = jnp.transpose(jnp.broadcast_to(idx, (8, block_k)))[:, :1]  # the indices as [BK, 1]
+        if rows.kind == "pairs":  # each slot's own row out of its word row: the low half for an even
+            # row (the packing of Mosaic's bitcast as the Pallas interpreter models it; not seen on a TPU)
+            words = buf[slot]  # uint32 [BK, D]
+            half = jnp.where((col & 1) == 1, words & jnp.uint32(0xFFFF0000), words << 16)
+            # A -1 slot's words are stale and may hold an unselected neighbour (NaN is allowed
+            # there): zeros, so that p = 0 times the row stays 0.
+            return [pltpu.bitcast(jnp.where(col >= 0, half, jnp.uint32(0)), jnp.float32)]
+        if rows.kind == "records":  # a -1 slot's stale words decode to zeros, as above
+            words = jnp.where(col >= 0, lax.bitcast_convert_type(buf[slot], jnp.int32), 0)
+            return _record_planes(words, rows)
+        return [buf[slot].astype(jnp.float32)]  # [BK, D]
+
     # Padding slots are not copied: they keep finite data (zeros, or an earlier block's rows)
     # and get probability exactly 0.
     buf[...] = jnp.zeros_like(buf)
     m_sc[...] = jnp.broadcast_to(sink_ref[...], m_sc.shape)  # running max starts at the sink
     l_sc[...] = jnp.ones_like(l_sc)  # exp(sink - m) with m = sink
     acc_sc[...] = jnp.zeros_like(acc_sc)
-    q = q_ref[...]
+    q = q_ref[...]  # [P, H, C]: P planes of q's columns
     if q.dtype != mxu_dtype:
         q = q.astype(mxu_dtype)
     # Stated, not left to jax_default_matmul_precision: Mosaic rejects an fp32-precision bf16 product.
@@ -99,33 +176,44 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
 
         wait(blk, slot)
         idx = idxv_ref[:, pl.ds(pl.multiple_of(blk * block_k, block_k), block_k)]  # [1, BK]
-        if pairs:  # each slot's own row out of its word row: the low half for an even row (the
-            # packing of Mosaic's bitcast as the Pallas interpreter models it; not seen on a TPU)
-            words = buf[slot]  # uint32 [BK, D]
-            col = jnp.transpose(jnp.broadcast_to(idx, (8, block_k)))[:, :1]  # the indices as [BK, 1]
-            half = jnp.where((col & 1) == 1, words & jnp.uint32(0xFFFF0000), words << 16)
-            # A -1 slot's words are stale and may hold an unselected neighbour (NaN is allowed
-            # there): zeros, so that p = 0 times the row stays 0.
-            rows = pltpu.bitcast(jnp.where(col >= 0, half, jnp.uint32(0)), jnp.float32)
-        else:
-            rows = buf[slot].astype(jnp.float32)  # [BK, D]
-        s = lax.dot_general(q, rows.astype(mxu_dtype), (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale  # [H, BK]
-        s = jnp.where(idx >= 0, s, -jnp.inf)
+        planes = keys(slot, idx)
+        s = sum(lax.dot_general(q[i], plane.astype(mxu_dtype), (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) for i, plane in enumerate(planes)) * scale
+        s = jnp.where(idx >= 0, s, -jnp.inf)  # [H, BK]
         m_prev = m_sc[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - m_new)
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(p, rows, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
-        acc_sc[...] = alpha * acc_sc[...] + pv
+        for i, plane in enumerate(planes):
+            pv = lax.dot_general(p, plane, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+            acc_sc[i] = alpha * acc_sc[i] + pv
         m_sc[...] = m_new
 
-    o_ref[...] = (acc_sc[...] / l_sc[...]).astype(o_ref.dtype)
+    o_ref[...] = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
 
 
-def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int):
+def _record_columns(d: int, rope_dim: int) -> np.ndarray:
+    """Where each of q's D columns goes in the record planes: int `[PLANES, W]` of column numbers
+    (d: none, a zero column), W the record's words."""
+    nope, _, size = kv_record.layout(d, rope_dim)
+    words = size // PLANES
+    cols = np.full((PLANES, words), d, np.int64)
+    for j in range(PLANES):
+        cols[j, :nope // PLANES] = np.arange(j, nope, PLANES)
+    for j in range(2):  # a RoPE word: its even dim in the low half
+        cols[j, nope // PLANES: nope // PLANES + rope_dim // 2] = np.arange(nope + j, d, 2)
+    return cols
+
+
+def records_supported(d: int, rope_dim: int) -> bool:
+    """Whether the kernel decodes records of this layout itself: whole words of NoPE codes and of
+    RoPE values (else the wrapper decodes them before the kernel)."""
+    return (d - rope_dim) % PLANES == 0 and rope_dim % 2 == 0
+
+
+def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None):
     bsz, t_len, h, d = q.shape
     k = indices.shape[-1]
     k_pad = pl.cdiv(k, block_k) * block_k
@@ -133,55 +221,76 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int):
     indices = indices.astype(jnp.int32)
     if k_pad != k:
         indices = jnp.pad(indices, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=-1)
-    pairs = kv.dtype == jnp.bfloat16
-    if pairs and kv.shape[1] % 2:  # whole word rows: an even number of rows
-        kv = jnp.pad(kv, ((0, 0), (0, 1), (0, 0)))
-    elif not pairs and kv.dtype.itemsize != 4:
-        kv = kv.astype(jnp.float32)
-    mxu_dtype = jnp.bfloat16 if (q.dtype == jnp.bfloat16 and kv.dtype == jnp.bfloat16) else jnp.float32
+    if rope_dim is not None:
+        nope, scales, _ = kv_record.layout(d, rope_dim)
+        rows = _Rows("records", nope // PLANES, rope_dim // 2, (nope + 2 * rope_dim) // PLANES, scales)
+        cols = _record_columns(d, rope_dim)
+        qp = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)[..., cols]  # [B, T, H, P, W]
+        qp = jnp.swapaxes(qp, 2, 3)
+        mxu_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+    else:
+        rows = _Rows("pairs" if kv.dtype == jnp.bfloat16 else "rows")
+        if rows.kind == "pairs" and kv.shape[1] % 2:  # whole word rows: an even number of rows
+            kv = jnp.pad(kv, ((0, 0), (0, 1), (0, 0)))
+        elif rows.kind == "rows" and kv.dtype.itemsize != 4:
+            kv = kv.astype(jnp.float32)
+        qp = q[:, :, None]  # [B, T, 1, H, D]
+        mxu_dtype = jnp.bfloat16 if (q.dtype == jnp.bfloat16 and kv.dtype == jnp.bfloat16) else jnp.float32
+    planes, width = qp.shape[2], qp.shape[-1]
     kernel = functools.partial(_kernel, scale=float(scale), n_blocks=n_blocks, block_k=block_k,
-                               t_len=t_len, k_pad=k_pad, pairs=pairs, mxu_dtype=mxu_dtype)
+                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(bsz, t_len),
         in_specs=[
-            pl.BlockSpec((None, None, h, d), lambda b, t, idx: (b, t, 0, 0)),  # q
+            pl.BlockSpec((None, None, planes, h, width), lambda b, t, idx: (b, t, 0, 0, 0)),  # q
             pl.BlockSpec((None, 1, k_pad), lambda b, t, idx: (b * t_len + t, 0, 0)),  # index row (VMEM)
             pl.BlockSpec((h, 1), lambda b, t, idx: (0, 0)),  # sink
             pl.BlockSpec(memory_space=pl.ANY),  # kv stays in HBM; rows gathered by DMA
         ],
-        out_specs=pl.BlockSpec((None, None, h, d), lambda b, t, idx: (b, t, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, planes, h, width), lambda b, t, idx: (b, t, 0, 0, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, block_k, d), jnp.uint32 if pairs else kv.dtype),
+            pltpu.VMEM((2, block_k, kv.shape[-1]), jnp.uint32 if rows.kind == "pairs" else kv.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((h, 1), jnp.float32),
             pltpu.VMEM((h, 1), jnp.float32),
-            pltpu.VMEM((h, d), jnp.float32),
+            pltpu.VMEM((planes, h, width), jnp.float32),
         ],
     )
-    rows_read = bsz * t_len * k * d * 4  # a 32-bit word per element: fp32 rows, or bf16 row pairs
-    cost = pl.CostEstimate(flops=4 * bsz * t_len * h * k_pad * d, transcendentals=bsz * t_len * h * k_pad,
+    # Bytes read per selected row: its record's words, a bf16 row's word pair, an fp32 row.
+    rows_read = bsz * t_len * k * kv.shape[-1] * 4
+    cost = pl.CostEstimate(flops=4 * bsz * t_len * h * k_pad * planes * width, transcendentals=bsz * t_len * h * k_pad,
                            bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8 + h * 4)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=cost,
         interpret=interpret,
         name="dsv4_sparse_attention",
-    )(indices.reshape(-1), q, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1), kv)
+    )(indices.reshape(-1), qp, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1), kv)
+    if rope_dim is None:
+        return out[:, :, 0]
+    # Back to q's column order: column c of q was column cols[j, i] = c of plane j.
+    at = np.full(d, -1, np.int64)
+    j, i = np.nonzero(cols < d)
+    at[cols[j, i]] = j * width + i
+    return jnp.swapaxes(out, 2, 3).reshape(bsz, t_len, h, planes * width)[..., at]
 
 
 def sparse_attention_tpu(q, kv, indices, sink, *, scale: float, rope_dim: int | None = None,
                          interpret: bool = False, block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
-    interpreter, any platform)."""
+    interpreter, any platform). Records of a layout the kernel does not decode (`records_supported`)
+    are decoded first."""
+    if rope_dim is not None and not records_supported(q.shape[-1], rope_dim):
+        kv, rope_dim = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32), None
     bsz, t_len, _, _ = q.shape
     k_pad = pl.cdiv(indices.shape[-1], block_k) * block_k
     chunk = max(1, MAX_PREFETCH_WORDS // (bsz * k_pad))
+    run = functools.partial(_call, sink=sink, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim)
     if t_len <= chunk:
-        return _call(q, kv, indices, sink, scale=scale, interpret=interpret, block_k=block_k)
-    outs = [_call(q[:, s:s + chunk], kv, indices[:, s:s + chunk], sink, scale=scale, interpret=interpret,
-                  block_k=block_k) for s in range(0, t_len, chunk)]
-    return jnp.concatenate(outs, axis=1)
+        return run(q, kv, indices)
+    return jnp.concatenate([run(q[:, s:s + chunk], kv, indices[:, s:s + chunk]) for s in range(0, t_len, chunk)],
+                           axis=1)

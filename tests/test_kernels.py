@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import compress, compress_ref
+from pallas_kernels import compress, compress_ref, kv_record
 from pallas_kernels import sparse_attention, sparse_attention_ref
 from pallas_kernels import sparse_attention_tpu as sat
 from pallas_kernels.compressor_tpu import compress_tpu
@@ -120,6 +120,52 @@ def test_sparse_attention_impls_on_cpu():
     _check(jitted(q, kv, idx, sink), ref)
     with pytest.raises(ValueError):
         sparse_attention(q, kv, idx, sink, scale=0.2, impl="triton")
+
+
+def _record_inputs(b, t, h, d, rope, n, k, dtype, seed):
+    """Attention inputs whose kv is FP8 records (words `[b, n, R / 4]`) of values whose 64-value
+    blocks differ in magnitude by up to e^±9, so the scales differ per block and row; the
+    reference decodes the same words."""
+    q, _, idx, sink = _attention_inputs(b, t, h, d, n, k, dtype, seed)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1), 2)
+    mag = jnp.repeat(jnp.exp(3 * jax.random.normal(ks[0], (b, n, -(-d // 64)))), 64, axis=-1)[..., :d]
+    values = jax.random.normal(ks[1], (b, n, d), jnp.float32) * mag
+    return q, kv_record.to_words(kv_record.encode(values, rope)), idx, sink
+
+
+@pytest.mark.parametrize(
+    "b, t, h, d, rope, n, k, dtype",
+    [
+        (2, 1, 16, 512, 64, 300, 160, jnp.bfloat16),  # decode, DeepSeek-V4's 584-byte record
+        (2, 1, 8, 512, 64, 41, 96, jnp.float32),  # decode, one partial key block
+        (2, 3, 8, 128, 32, 50, 200, jnp.float32),  # prefill, 2 key blocks, duplicates
+        (1, 4, 8, 64, 16, 30, 130, jnp.bfloat16),  # 48 NoPE values: one partial scale block
+        (1, 2, 8, 128, 0, 20, 40, jnp.float32),  # no RoPE part (the indexer keys' records)
+    ],
+)
+def test_sparse_attention_reads_fp8_records(b, t, h, d, rope, n, k, dtype):
+    """The TPU kernel gathers the records' words and decodes them itself (the ref decodes them all
+    first): the same outputs, to the tolerances above (the decoded values are exact in both)."""
+    q, kv, idx, sink = _record_inputs(b, t, h, d, rope, n, k, dtype, seed=d + k)
+    assert sat.records_supported(d, rope)
+    out = sparse_attention(q, kv, idx, sink, scale=d ** -0.5, impl="pallas", rope_dim=rope)
+    ref = sparse_attention_ref(q, kv, idx, sink, scale=d ** -0.5, rope_dim=rope)
+    assert out.dtype == q.dtype
+    _check(out, ref)
+    assert np.abs(np.asarray(ref.astype(jnp.float32))).max() > 0
+    assert np.all(np.asarray(out[0, 0].astype(jnp.float32)) == 0.0)  # the row with no valid key
+
+
+def test_sparse_attention_unselected_records_do_not_leak():
+    """Records nobody selects hold NaN codes and NaN RoPE halves, and a -1 slot's buffer keeps an
+    earlier block's words: neither reaches the output."""
+    q, kv, _, sink = _record_inputs(1, 2, 8, 128, 32, 64, 384, jnp.bfloat16, seed=11)
+    kv = kv.at[:, 1::2].set(jnp.uint32(0xFFFFFFFF))  # e4m3 0xFF and bf16 0xFFFF: NaN
+    even, slots = (2 * jnp.arange(384, dtype=jnp.int32)) % 64, jnp.arange(384)
+    idx = jnp.stack([jnp.where(slots < 128, even, -1), jnp.where(slots % 3 == 0, even, -1)])[None]
+    out = sparse_attention(q, kv, idx, sink, scale=0.1, impl="pallas", rope_dim=32)
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.1, rope_dim=32))
 
 
 # ----------------------------------------------------------------------------- compressor

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
+from pallas_kernels import kv_record
 from pallas_kernels._dispatch import dispatch
 from pallas_kernels.numerics import apply_rope, rms_norm, unweighted_rms_norm
 from . import xla_cpu
@@ -404,6 +405,9 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
     per-head sink.
 
+    ring, kv and comp_rows may be FP8 records instead (uint32 words, `pallas_kernels.kv_record`; all
+    three or none, as the cache holds them, cache.py): the kernels decode the rows they gather.
+
     Decode (T = 1) and the Pallas kernels take the index form: one row of indices per query into
     [ring | chunk | compressed rows] (`pallas_kernels.sparse_attention`). A chunk on the plain
     XLA path (impl "ref", or "auto" off TPU / GPU) computes the same sum with the window part as
@@ -412,6 +416,7 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     """
     T, R = q.shape[1], ring.shape[1]
     p0 = row_positions(p0, q.shape[0])
+    rope_dim = cfg.rope_head_dim if ring.dtype == jnp.uint32 else None
 
     def indexed():
         idx = window_indices(p0, T, cfg.sliding_window, R)
@@ -420,13 +425,17 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
             idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + R + T, -1)], axis=-1)
             rows.append(comp_rows)
         run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
-                                      impl=cfg.attention_impl),
+                                      impl=cfg.attention_impl, rope_dim=rope_dim),
                          ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,)),
                          (BATCH, None, HEADS, None))
         return run(q, jnp.concatenate(rows, axis=1), idx, sink)
 
     def blocked():
-        return _window_blocked(q, ring, kv, comp_rows, comp_idx, sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
+        def values(rows):
+            return None if rows is None else kv_record.read(rows, cfg.head_dim, cfg.rope_head_dim, q.dtype)
+
+        return _window_blocked(q, values(ring), values(kv), values(comp_rows), comp_idx, sink, p0, cfg.head_dim ** -0.5,
+                               cfg.sliding_window)
 
     if T == 1:
         return indexed()

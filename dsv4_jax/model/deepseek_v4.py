@@ -170,8 +170,9 @@ _NO_AUX = np.full((4,), np.nan, np.float32)
 
 def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A window-only layer: its ring and the chunk."""
-    ring, kv = _window(take_layer(caches["window"]["ring"], lay.local), lay, ctx.cfg)
-    o = attention.attend(lay.q, ring, lay.kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
+    ring = take_layer(caches["window"]["ring"], lay.local)
+    kv = _stored(lay.kv, ring, ctx.cfg.rope_head_dim)
+    o = attention.attend(lay.q, ring, kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
     return o, last_ids, ctx.payloads({"window": {"kv": kv}}), _NO_AUX
 
 
@@ -186,21 +187,6 @@ def _key_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.index_head_dim, 0
 
 
-def _loaded(rows: jnp.ndarray, dims: tuple[int, int], dtype) -> jnp.ndarray:
-    """Rows read from a pool or a ring, `[..., d]`; FP8 records of dims (`_kv_dims`, `_key_dims`)
-    (words `[..., R / 4]`, cache.py) decoded to dtype."""
-    if rows.dtype != jnp.uint32:
-        return rows
-    return kv_record.decode(kv_record.from_words(rows), *dims, dtype)
-
-
-def _as_stored(entries: jnp.ndarray, pool: jnp.ndarray | jax.ShapeDtypeStruct, rope: int) -> jnp.ndarray:
-    """A chunk's new entries, keys or K=V rows `[B, n, d]` (the last `rope` dims RoPE'd) as `pool`
-    (a pool or a ring, or their ShapeDtypeStruct) will hold them: the values of their FP8 records
-    when it holds records, so that the chunk reads what later steps read."""
-    return kv_record.fp8_round(entries, rope) if pool.dtype == jnp.uint32 else entries
-
-
 def _stored(entries: jnp.ndarray, pool: jnp.ndarray, rope: int) -> jnp.ndarray:
     """Entries, keys or K=V rows `[B, n, d]` in the form `pool` (a pool or a ring) stores: FP8
     records (words `[B, n, R / 4]`) or themselves."""
@@ -209,16 +195,9 @@ def _stored(entries: jnp.ndarray, pool: jnp.ndarray, rope: int) -> jnp.ndarray:
     return kv_record.to_words(kv_record.encode(entries, rope))
 
 
-def _window(ring: jnp.ndarray, lay: _LayerInput, cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """A layer's window, every branch's: (its ring `[B, W + la, Dh]` in lay.kv's dtype, FP8 records
-    decoded, for the attention; the chunk's K=V rows as the ring stores them, `[B, T, Dh]` or
-    record words `[B, T, R / 4]`, for `_store`)."""
-    return _loaded(ring, _kv_dims(cfg), lay.kv.dtype), _stored(lay.kv, ring, cfg.rope_head_dim)
-
-
-def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, dims: tuple[int, int]) -> jnp.ndarray:
-    """A chunk's new entries `[B, n, d]` (row b's i-th is entry p0[b] // ratio + i), those before
-    the row's shared position taken from its shared blocks in pool `[NB, E, d]` instead: a row
+def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int) -> jnp.ndarray:
+    """A chunk's new entries as pool `[NB, E, .]` stores them, `[B, n, .]` (row b's i-th is entry
+    p0[b] // ratio + i), those before the row's shared position taken from its shared blocks instead: a row
     restarted inside a cached prefix computes them from don't-cares (cache.py), and its later
     positions must read the entries the prefix really has; in a prefill chunk, or one token a
     step (the engine's deterministic mode feeds prompts through decode)."""
@@ -226,8 +205,8 @@ def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int, dim
         return entries
     ids = ch.p0[:, None] // ratio + jnp.arange(entries.shape[1], dtype=jnp.int32)
     held = jnp.clip(ids, 0, ch.blocks.shape[1] * pool.shape[1] - 1)
-    return jnp.where((ids < ch.shared[:, None] // ratio)[..., None],
-                     _loaded(pool_entries(pool, ch.blocks, held, ch.groups), dims, entries.dtype), entries)
+    return jnp.where((ids < ch.shared[:, None] // ratio)[..., None], pool_entries(pool, ch.blocks, held, ch.groups),
+                     entries)
 
 
 def _state_payload(w: attention.StateWrites) -> dict:
@@ -245,9 +224,9 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid,
         folded=ch.folded)
     rope = cfg.rope_head_dim
-    entries = _pinned(_as_stored(entries, c["pool"], rope), c["pool"], ch, CSA, _kv_dims(cfg))
-    ring, kv = _window(c["ring"], lay, cfg)
-    out = {"csa": {"kv": kv, "entries": _stored(entries, c["pool"], rope), "n_new": n_new, **_state_payload(state)}}
+    entries = _pinned(_stored(entries, c["pool"], rope), c["pool"], ch, CSA)
+    ring, kv = c["ring"], _stored(lay.kv, c["ring"], rope)
+    out = {"csa": {"kv": kv, "entries": entries, "n_new": n_new, **_state_payload(state)}}
     measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
     # The indexer's inputs are held constant: choosing is not differentiable, and its training loss
     # (`indexer.distillation_kl`) must teach the indexer alone, not the main model (DeepSeek-V3.2).
@@ -260,27 +239,29 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         keys, n_keys, state = attention.compress_chunk(
             own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
             n_valid=ch.n_valid, folded=ch.folded)
-        keys = _pinned(_as_stored(keys, ci["pool"], 0), ci["pool"], ch, CSA, _key_dims(cfg))
-        return keys, {"entries": _stored(keys, ci["pool"], 0), "n_new": n_keys, **_state_payload(state)}, ci["pool"]
+        stored = _pinned(_stored(keys, ci["pool"], 0), ci["pool"], ch, CSA)
+        return (kv_record.read(stored, *_key_dims(cfg), keys.dtype), {"entries": stored, "n_new": n_keys, **_state_payload(state)},
+                ci["pool"])
 
     def own_choice(keys, key_pool):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
-        pool = _loaded(pool_view(key_pool, ch.blocks, ch.groups), _key_dims(cfg), keys.dtype)
+        pool = kv_record.read(pool_view(key_pool, ch.blocks, ch.groups), *_key_dims(cfg), keys.dtype)
         scores = attention.indexer_logits(own["indexer"], x, c_q, lay.cos, lay.sin, pool, keys, ch.p0, cfg)
         return scores, attention.indexer_select(scores, ch.p0, pool.shape[1], cfg)
 
     first = ch.p0 // CSA
-    ordered = None  # every entry in entry order `[B, P + n, Dh]`: a prefill chunk's rows, the reuse measures'
+    ordered = None  # every entry in entry order, as stored `[B, P + n, .]`: a prefill chunk's rows, the reuse measures'
     if T > 1 or (reuse and ctx.measure_reuse):
-        ordered = attention.in_entry_order(_loaded(pool_view(c["pool"], ch.blocks, ch.groups), _kv_dims(cfg),
-                                                   entries.dtype), entries, first)
+        ordered = attention.in_entry_order(pool_view(c["pool"], ch.blocks, ch.groups), entries, first)
+    dtype = lay.q.dtype
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
         ids = last_ids
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
             keys, payload, key_pool = indexer_keys()
             if ctx.measure_reuse:
-                measures = attention.reuse_measures(lay.q, ring, lay.kv, ordered, own_choice(keys, key_pool)[1], ids,
-                                                    lay.sink, ch.p0, cfg)
+                measures = attention.reuse_measures(
+                    lay.q, kv_record.read(ring, *_kv_dims(cfg), dtype), kv_record.read(kv, *_kv_dims(cfg), dtype),
+                    kv_record.read(ordered, *_kv_dims(cfg), dtype), own_choice(keys, key_pool)[1], ids, lay.sink, ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
@@ -288,8 +269,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         scores, ids = own_choice(keys, key_pool)
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
-        rows = jnp.where(old, _loaded(pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups), _kv_dims(cfg),
-                                      entries.dtype),
+        rows = jnp.where(old, pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups),
                          jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
                                              axis=2))
         comp_rows = rows[:, 0]
@@ -297,8 +277,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     else:
         comp_rows, comp_idx = ordered, ids
         if ctx.indexer_kl and not reuse:
-            kl = distillation_kl(lay.q, comp_rows, scores, ids, cfg.head_dim ** -0.5)
-    o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+            kl = distillation_kl(lay.q, kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids, cfg.head_dim ** -0.5)
+    o = attention.attend(lay.q, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
 
 
@@ -311,14 +291,14 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid, folded=ch.folded)
     rope = cfg.rope_head_dim
-    entries = _pinned(_as_stored(entries, c["pool"], rope), c["pool"], ch, HCA, _kv_dims(cfg))
-    pool = _loaded(pool_view(c["pool"], ch.blocks, ch.groups), _kv_dims(cfg), entries.dtype)
+    entries = _pinned(_stored(entries, c["pool"], rope), c["pool"], ch, HCA)
+    pool = pool_view(c["pool"], ch.blocks, ch.groups)
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
-    ring, kv = _window(c["ring"], lay, cfg)
-    o = attention.attend(lay.q, ring, lay.kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
-    payload = {"kv": kv, "entries": _stored(entries, c["pool"], rope), "n_new": n_new, **_state_payload(state)}
+    kv = _stored(lay.kv, c["ring"], rope)
+    o = attention.attend(lay.q, c["ring"], kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    payload = {"kv": kv, "entries": entries, "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
 
@@ -372,10 +352,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
     a = layer["attn"]
     q, c_q = attention.query(a, x, cos, sin, cfg)
-    # Rounded to its FP8 record's values when the rings hold records (all of them or none:
-    # cache_spec), so that this chunk attends to what later steps read back from the ring.
-    ring = next(g["ring"] for g in ctx.cache_shapes.values() if "ring" in g)
-    kv = _as_stored(attention.key_value(a, x, cos, sin, cfg), ring, cfg.rope_head_dim)
+    kv = attention.key_value(a, x, cos, sin, cfg)
     lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
     # Branches only read the caches and return the rows to store; the writes come after the
     # switch, unconditionally, into every group's stacks: at the layer's own index when its
