@@ -54,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .sparse_attention_fp8_gpu import sparse_attention_fp8_gpu
 from .sparse_attention_ref import sparse_attention_ref
 
 HAVE_KERNEL = True
@@ -197,8 +198,9 @@ def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, rope_dim: int |
     bsz, t_len, h, d = q.shape
     n = kv.shape[1]
     k = indices.shape[-1]
-    if rope_dim is not None:
-        return sparse_attention_ref(q, kv, indices, sink, scale=scale, rope_dim=rope_dim)
+    if rope_dim is not None:  # FP8 records: the Pallas-Triton kernel that decodes the rows it gathers
+        return sparse_attention_fp8_gpu(q, kv, indices, sink, scale=scale, rope_dim=rope_dim,
+                                        interpret=interpret is not None)
     if not supported(h, d, k):
         # D not a multiple of 128 (the output column blocks are 128 wide), K > MAX_K or H = 0 use
         # the reference; the dispatcher traces this branch on every platform, so it must not raise.
