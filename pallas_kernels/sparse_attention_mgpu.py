@@ -193,8 +193,10 @@ def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, rope_dim: int |
                           block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic GPU kernel for any H (in groups of 64
     heads, padded) and D a multiple of 128 (DeepSeek-V4: H = 64 or 128, D = 512), the reference
-    otherwise. interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the
-    kernel on CPU)."""
+    otherwise. With rope_dim (kv: FP8 records as uint32 words), the Pallas-Triton kernel of
+    sparse_attention_fp8_gpu.py instead (Mosaic GPU's TMA cannot copy the 584-byte rows).
+    interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the kernel on
+    CPU; for records, the Pallas interpreter)."""
     bsz, t_len, h, d = q.shape
     n = kv.shape[1]
     k = indices.shape[-1]
