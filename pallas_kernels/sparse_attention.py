@@ -17,8 +17,9 @@ def sparse_attention(q, kv, indices, sink, *, scale: float, impl: str = "auto", 
     With rope_dim, kv holds DeepSeek's FP8 records (`kv_record`) as uint32 words `[B, N, R / 4]`,
     and the kernels decode the rows they gather.
 
-    impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU, Mosaic GPU on CUDA, the TPU kernel in
-    the Pallas interpreter elsewhere) or "auto" (the kernels on TPU / CUDA, the reference elsewhere).
+    impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU, Mosaic GPU on CUDA (records: the
+    Pallas-Triton kernel `sparse_attention_fp8_gpu`), the TPU kernel in the Pallas interpreter
+    elsewhere) or "auto" (the kernels on TPU / CUDA, the reference elsewhere).
     """
     kw = dict(scale=scale, rope_dim=rope_dim)
     run = dispatch(
