@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from ._dispatch import dispatch
+from .sparse_attention_fp8_gpu import sparse_attention_fp8_gpu
 from .sparse_attention_mgpu import sparse_attention_mgpu
 from .sparse_attention_ref import sparse_attention_ref
 from .sparse_attention_tpu import sparse_attention_tpu
@@ -17,16 +18,19 @@ def sparse_attention(q, kv, indices, sink, *, scale: float, impl: str = "auto", 
     With rope_dim, kv holds DeepSeek's FP8 records (`kv_record`) as uint32 words `[B, N, R / 4]`,
     and the kernels decode the rows they gather.
 
-    impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU, Mosaic GPU on CUDA (records: the
-    Pallas-Triton kernel `sparse_attention_fp8_gpu`), the TPU kernel in the Pallas interpreter
-    elsewhere) or "auto" (the kernels on TPU / CUDA, the reference elsewhere).
+    impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU; on CUDA Mosaic GPU, or for records the
+    Pallas-Triton kernel `sparse_attention_fp8_gpu` (Mosaic GPU's TMA cannot copy a 584-byte
+    row); the TPU kernel in the Pallas interpreter elsewhere) or "auto" (the kernels on TPU / CUDA,
+    the reference elsewhere).
     """
     kw = dict(scale=scale, rope_dim=rope_dim)
+    gpu = functools.partial(sparse_attention_mgpu, scale=scale) if rope_dim is None else \
+        functools.partial(sparse_attention_fp8_gpu, **kw)
     run = dispatch(
         impl,
         ref=functools.partial(sparse_attention_ref, **kw),
         tpu=functools.partial(sparse_attention_tpu, **kw),
-        gpu=functools.partial(sparse_attention_mgpu, **kw),
+        gpu=gpu,
         interpret=functools.partial(sparse_attention_tpu, **kw, interpret=True),
     )
     return run(q, kv, indices, sink)

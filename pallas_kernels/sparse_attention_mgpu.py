@@ -54,7 +54,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .sparse_attention_fp8_gpu import sparse_attention_fp8_gpu
 from .sparse_attention_ref import sparse_attention_ref
 
 HAVE_KERNEL = True
@@ -189,20 +188,14 @@ def _kernel(q_g, kv_g, idx_g, sink_g, o_g, idx_s, q_s, sink_s, buf, setup_bar, r
     o_g[qg, :, pl.ds(v * DV, DV)] = out
 
 
-def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, rope_dim: int | None = None, interpret=None,
-                          block_k: int = BLOCK_K):
+def sparse_attention_mgpu(q, kv, indices, sink, *, scale: float, interpret=None, block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic GPU kernel for any H (in groups of 64
     heads, padded) and D a multiple of 128 (DeepSeek-V4: H = 64 or 128, D = 512), the reference
-    otherwise. With rope_dim (kv: FP8 records as uint32 words), the Pallas-Triton kernel of
-    sparse_attention_fp8_gpu.py instead (Mosaic GPU's TMA cannot copy the 584-byte rows).
-    interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the kernel on
-    CPU; for records, the Pallas interpreter)."""
+    otherwise. interpret: None, or a GPU-interpret params object (`InterpretGPUParams`: runs the
+    kernel on CPU)."""
     bsz, t_len, h, d = q.shape
     n = kv.shape[1]
     k = indices.shape[-1]
-    if rope_dim is not None:  # FP8 records: the Pallas-Triton kernel that decodes the rows it gathers
-        return sparse_attention_fp8_gpu(q, kv, indices, sink, scale=scale, rope_dim=rope_dim,
-                                        interpret=interpret is not None)
     if not supported(h, d, k):
         # D not a multiple of 128 (the output column blocks are 128 wide), K > MAX_K or H = 0 use
         # the reference; the dispatcher traces this branch on every platform, so it must not raise.

@@ -46,6 +46,25 @@ ATTENTION = {
     "h96-d384-prefill2-bf16": (96, 384, 2, 200, 300, BF16),
 }
 
+# FP8 records (rope 64: Flash's 584-byte record, 146 words): (H, D, T, K, N, q dtype). The kernel
+# gathers the records and decodes them: on TPU the Mosaic kernel, on CUDA the Pallas-Triton one
+# (tests/test_sparse_attention_fp8_gpu.py compiles it for the H100).
+RECORDS = {
+    "flash-decode-bf16": (64, 512, 1, 640, 128 + 1 + 512, BF16),
+    "flash-prefill16-bf16": (64, 512, 16, 640, 128 + 16 + 4, BF16),
+    "pro-decode-fp32": (128, 512, 1, 1152, 128 + 1 + 1024, F32),
+}
+
+
+@pytest.mark.parametrize("case", list(RECORDS))
+@pytest.mark.parametrize("target", TPU_TARGETS)
+def test_sparse_attention_on_fp8_records_compiles(target, case):
+    h, d, t, k, n, dtype = RECORDS[case]
+    args = (S((1, t, h, d), dtype), S((1, n, 584 // 4), jnp.uint32), S((1, t, k), jnp.int32), S((h,), F32))
+    fn = lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas", rope_dim=64)  # noqa: E731
+    assert _compiled_kernels(target, fn, *args) == ["dsv4_sparse_attention"]
+
+
 # (ratio, d, n, prev, input dtype, output dtype): a, z [1, n * ratio, C], C = 2d (ratio 4) or d.
 COMPRESS = {
     "csa-decode": (4, 512, 1, True, F32, BF16),

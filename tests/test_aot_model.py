@@ -34,8 +34,8 @@ def _abstract(spec):
     return {k: jax.ShapeDtypeStruct(*v) if isinstance(v, tuple) else _abstract(v) for k, v in spec.items()}
 
 
-# The FP8 cache (its compressed entries and window rings as 584-byte records, decoded where the
-# step reads them) on one TPU and one GPU target.
+# The FP8 cache (its compressed entries and window rings as 584-byte records, which the attention
+# kernels decode as they gather them) on one TPU and one GPU target.
 CASES = [(t, "auto") for t in TARGETS] + [("v5p-8", "fp8"), ("h100x1", "fp8")]
 
 
@@ -56,8 +56,19 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     # ratio-128 one.
     # The grouped matmul kernel: the routed experts of the three kinds, and the output projection's
     # wo_a (once, outside the layer-kind switch).
-    grouped = ["dsv4_grouped_matmul" + ("_gpu" if aot.target(target).platform == "cuda" else "")] * 4
-    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + ["dsv4_sparse_attention"] * 3)
+    # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row).
+    cuda = aot.target(target).platform == "cuda"
+    grouped = ["dsv4_grouped_matmul" + ("_gpu" if cuda else "")] * 4
+    attention = "dsv4_sparse_attention" + ("_fp8" if cuda and kv_cache_dtype == "fp8" else "")
+    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3)
+    if kv_cache_dtype == "fp8":
+        # No XLA op decodes K=V records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
+        # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The
+        # indexer's keys, 128 values, are decoded for its scores, which XLA computes.)
+        nope = cfg.head_dim - cfg.rope_head_dim
+        shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", result.compiled.as_text())]
+        nope_values = [sh for sh in shapes if sh[-1] == nope or sh[-2:] == [nope // 64, 64]]
+        assert nope_values and all(sh[1] <= tokens for sh in nope_values), nope_values
     # The cache is donated and comes back in place; logits [B, 1, V] fp32 (last_only).
     assert result.memory["alias_bytes"] > 0
     logits = result.compiled.out_info.logits

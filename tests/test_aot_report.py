@@ -32,9 +32,12 @@ def test_report_prints_compiler_facts():
                                                            if t == "v5p-8" or c not in tpu_only]
     by = {(r["target"], r["case"]): r for r in records}
     matmuls = [c for c in report.CASES if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "fp8_activation_matmul")]
-    for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu"
-        triton = r["target"] == "h100x1" and r["case"] in matmuls
-        assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + ("_gpu" if triton else "")
+    fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
+    for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
+        # the attention over FP8 records, "..._fp8"
+        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records
+        suffix = ("_fp8" if r["case"] in fp8_records else "_gpu") if triton else ""
+        assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + suffix
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
         assert ("grid" in r) == triton
 
@@ -50,6 +53,15 @@ def test_report_prints_compiler_facts():
     assert gpu["arch"] == "sm_90a"
     assert gpu["smem_bytes"] >= 64 * 512 * 2 + 16 * 512 * 2
     assert 0 < gpu["registers"] <= 255 and gpu["spill_bytes"] == {"stores": 0, "loads": 0}
+    # Over FP8 records the kernels declare each selected record's 584 bytes once (within 10 % of
+    # the minimum), on TPU under half of what they declare for bf16 rows (a bf16 row travels in a
+    # word pair with its neighbour: 2,048 bytes); no spills on the H100.
+    tpu8, gpu8 = by["v5p-8", "sparse_attention/flash-decode-fp8"], by["h100x1", "sparse_attention/flash-decode-fp8"]
+    assert tpu8["minimum_bytes"] == 640 * 4 + 640 * 584 + 2 * 64 * 512 * 2
+    assert tpu8["declared_cost"]["bytes_accessed"] < tpu["declared_cost"]["bytes_accessed"] / 2
+    for r in (tpu8, gpu8):
+        assert r["minimum_bytes"] <= r["declared_cost"]["bytes_accessed"] < 1.1 * r["minimum_bytes"]
+    assert gpu8["spill_bytes"] == {"stores": 0, "loads": 0}
     for case in report.CASES:
         assert by["v5p-8", case]["vmem_bytes"] > 0 and (case in tpu_only or by["h100x1", case]["registers"] > 0)
     # The hyper-connections' kernels declare at least the streams, fn, the per-token weights and

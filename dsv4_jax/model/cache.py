@@ -46,8 +46,8 @@ With kv_cache_dtype "fp8" the ratio-4 and ratio-128 pools hold each entry, and e
 ring (the MTP block's too) each K=V row, as DeepSeek's FP8 record (pallas_kernels/kv_record.py:
 e4m3 NoPE values with a power-of-two scale per 64, bf16 RoPE values; 584 bytes for head_dim 512)
 in 32-bit words, uint32 `[n, NB, E, record bytes / 4]` and `[n, B, W + la, record bytes / 4]`
-(kv_record.to_words: the same bytes); the model rounds an entry or a K=V row to what its record
-holds when it computes it and decodes the records it reads. The rings hold records as the pools
+(kv_record.to_words: the same bytes); the model encodes an entry or a K=V row when it computes
+it, and attends to the records (the attention kernels decode the rows they gather). The rings hold records as the pools
 do because DeepSeek's reference FP8-simulates every K=V row (the window's as the compressed
 entries: act_quant on the NoPE values, blocks of 64, UE8M0 scales; architecture.md §5.2) and the
 serving engines (vLLM, FlashMLA) store the sliding-window cache in the same record (§11.4). The

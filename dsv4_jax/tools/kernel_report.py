@@ -45,7 +45,7 @@ import tempfile
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import compress, sparse_attention  # noqa: E402
+from pallas_kernels import compress, kv_record, sparse_attention  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
 from pallas_kernels.fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
 from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
@@ -66,17 +66,20 @@ PREFILL = 512  # tokens per prefill chunk (the compressors); the attention's pre
 ATTN_PREFILL, POOL = 16, 1024  # 1024 compressed entries: a 4096-token context
 
 
-def _attention_case(t: int) -> dict:
+def _attention_case(t: int, records: bool = False) -> dict:
     """Flash sparse attention over [ring | chunk | compressed rows]: decode reads the K selected
-    compressed rows (N = 128 + 1 + 512), prefill the chunk's pool (N = 128 + 16 + 1024)."""
+    compressed rows (N = 128 + 1 + 512), prefill the chunk's pool (N = 128 + 16 + 1024); bf16
+    rows, or with `records` FP8 records (584 bytes, 146 words) that the kernel decodes."""
     k = WINDOW + TOPK
     n = WINDOW + t + (TOPK if t == 1 else POOL)
-    args = (S((1, t, H, D), BF16), S((1, n, D), BF16), S((1, t, k), jnp.int32), S((H,), F32))
+    row_bytes = kv_record.record_bytes(D, ROPE) if records else D * 2
+    kv = S((1, n, row_bytes // 4), jnp.uint32) if records else S((1, n, D), BF16)
+    args = (S((1, t, H, D), BF16), kv, S((1, t, k), jnp.int32), S((H,), F32))
     rows = min(t * k, n)  # every needed row once (all K indices valid, distinct within a token)
-    minimum = t * k * 4 + rows * D * 2 + 2 * t * H * D * 2
-    shapes = {"B": 1, "T": t, "H": H, "D": D, "K": k, "N": n, "dtype": "bfloat16"}
-    return {"fn": lambda *x: sparse_attention(*x, scale=D ** -0.5, impl="pallas"), "args": args,
-            "shapes": shapes, "minimum_bytes": minimum}
+    minimum = t * k * 4 + rows * row_bytes + 2 * t * H * D * 2
+    shapes = {"B": 1, "T": t, "H": H, "D": D, "K": k, "N": n, "dtype": "fp8 records" if records else "bfloat16"}
+    return {"fn": lambda *x: sparse_attention(*x, scale=D ** -0.5, impl="pallas", rope_dim=ROPE if records else None),
+            "args": args, "shapes": shapes, "minimum_bytes": minimum}
 
 
 def _compress_case(ratio: int, d: int, n: int) -> dict:
@@ -159,6 +162,8 @@ def _hc_case(kind: str, tokens: int, batch: int) -> dict:
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
+    "sparse_attention/flash-decode-fp8": lambda: _attention_case(1, records=True),
+    "sparse_attention/flash-prefill-fp8": lambda: _attention_case(ATTN_PREFILL, records=True),
     "compress/csa-decode": lambda: _compress_case(4, D, 1),
     "compress/csa-prefill": lambda: _compress_case(4, D, PREFILL // 4),
     "compress/indexer-decode": lambda: _compress_case(4, D_INDEX, 1),
