@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from dsv4_jax.tools import aot, plan
@@ -72,9 +73,9 @@ def test_plan_small_flash(tmp_path, capsys):
 
 def test_cache_section_with_fp8_records(tmp_path, capsys):
     """--kv-cache-dtype fp8 --seq-len: the compressed entries and the window rings' K=V rows as
-    584-byte records (head_dim 512) against bf16's 1,024 bytes, in the compiled cache and in the
-    sequence count: a sequence's bytes are its rings and states plus its blocks, and the free
-    memory holds that many."""
+    584-byte records (head_dim 512) against bf16's 1,024 bytes, in the cache's shapes; as v5p
+    lays the pools out, no fewer bytes (lanes padded); a sequence's bytes are its rings and states
+    plus its blocks, and the free memory holds that many laid-out sequences."""
     cfg = _config(tmp_path, SMALL, "small")
     outs = {}
     for kv in ("auto", "fp8"):
@@ -90,12 +91,29 @@ def test_cache_section_with_fp8_records(tmp_path, capsys):
     assert c["bf16_bytes_per_sequence"] == b["bytes_per_sequence"]
     # 32 blocks of 4096 tokens, and 4 layers' rings of 128 rows
     assert b["bytes_per_sequence"] - c["bytes_per_sequence"] == (32 * 65 + 4 * 128) * (1024 - 584) + 32 * keys * 120
+    # As the compiled step lays them out on a TPU: a pool's last dim padded to 128 lanes of 32-bit
+    # words, so an entry's 146 words take 256 (1,024 bytes, as bf16's 512 values) and a key's 34
+    # take 128 (512 bytes, twice bf16's); bf16's 512 and 128 values fill their lanes.
+    assert b["laid_out_block_bytes"] == b["block_bytes"]
+    assert c["laid_out_block_bytes"] == 65 * 1024 + keys * 512
     for x in (b, c):
-        assert x["sequences_per_device"] == x["free_bytes"] // x["bytes_per_sequence"] > 0
+        assert x["laid_out_bytes_per_sequence"] >= x["bytes_per_sequence"]
+        assert x["sequences_per_device"] == x["free_bytes"] // x["laid_out_bytes_per_sequence"] > 0
         assert x["sequences"] == 4 * x["sequences_per_device"]  # dp_attention: one piece per device
-    assert c["sequences_per_device"] > b["sequences_per_device"]
-    assert outs["fp8"]["per_device"]["cache_bytes"] < outs["auto"]["per_device"]["cache_bytes"]
+    for kv in ("auto", "fp8"):
+        pd = outs[kv]["per_device"]
+        assert pd["cache_bytes"] >= pd["cache_shape_bytes"]
+    assert outs["fp8"]["per_device"]["cache_shape_bytes"] < outs["auto"]["per_device"]["cache_shape_bytes"]
     assert outs["fp8"]["decode"]["min_bytes"] < outs["auto"]["decode"]["min_bytes"]
+
+
+def test_laid_out_bytes_pad_the_tiled_dims():
+    """A TPU layout pads the minor dims to whole tiles (in the layout's order of dims); an
+    untiled one (GPU) takes the shape's bytes."""
+    from jax.experimental.layout import Layout
+    assert plan.laid_out_bytes((2, 32, 146), jnp.uint32, Layout((0, 1, 2), ((8, 128),))) == 2 * 32 * 256 * 4
+    assert plan.laid_out_bytes((2, 30, 146), jnp.uint32, Layout((0, 2, 1), ((8, 128),))) == 2 * 152 * 128 * 4
+    assert plan.laid_out_bytes((2, 30, 146), jnp.uint32, Layout((0, 1, 2))) == 2 * 30 * 146 * 4
 
 
 def test_too_big_for_one_h100(tmp_path, capsys):

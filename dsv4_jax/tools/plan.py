@@ -17,7 +17,9 @@ for the leaves the model keeps in fp32: norms, hyper-connections, the gate, comp
 head); with bfloat16 every weight leaf is a bf16 array.
 
 The JSON it prints (one object):
-  per_device   parameter_bytes, cache_bytes (the shards this device holds), temp_bytes (XLA's
+  per_device   parameter_bytes, cache_bytes (the shards this device holds, as the compiled decode
+               step lays them out: a TPU pads each array's minor dims to whole tiles; their
+               shapes' bytes: cache_shape_bytes), temp_bytes (XLA's
                memory analysis: the larger of the two programs'), other_bytes (their outputs that
                do not alias an input, and the generated code), total_bytes, memory_bytes (the
                device's HBM) and fits (total_bytes <= memory_bytes)
@@ -33,9 +35,11 @@ The JSON it prints (one object):
                entries, as dsv4-serve's flag) and sequences of --seq-len tokens (default --max-len):
                block_bytes (a block of 128 tokens in every pool of a device), bytes_per_sequence
                (a sequence's window rings, compressor states and blocks on the devices holding it)
-               and the same in bf16, free_bytes (a device's memory left by its parameter shards and
+               and the same in bf16, from the arrays' shapes; laid_out_block_bytes and
+               laid_out_bytes_per_sequence, the same as the compiled decode step lays the arrays
+               out (`layout_padding`); free_bytes (a device's memory left by its parameter shards and
                the programs' needs at --batch and --max-len) and sequences_per_device (how many such
-               sequences that holds), sequences (times the pieces the layout splits sequences into)
+               laid-out sequences that holds), sequences (times the pieces the layout splits sequences into)
   max_context  the longest max_len (a multiple of 128) at which both programs fit for --batch,
                found by compiling (`find_max_context`; its lengths and bytes: max_context_search)
 The layout, mesh, expert_exchange (`moe.expert_exchange`'s choice), fp8_activations, batch and
@@ -62,7 +66,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from dsv4_jax.model import sharding  # noqa: E402
-from dsv4_jax.model.cache import (KV_CACHE_DTYPES, block_bytes, blocks_per_row, cache_spec,  # noqa: E402
+from dsv4_jax.model.cache import (KV_CACHE_DTYPES, blocks_per_row, cache_spec,  # noqa: E402
                                   default_block_size)
 from dsv4_jax.model.config import EXPERT_EXCHANGES, ConfigError, ModelConfig  # noqa: E402
 from dsv4_jax.model.layer_kinds import COMPRESSED  # noqa: E402
@@ -198,12 +202,37 @@ def setup(model: str, target: str, layout: str | None, mesh_axes: dict[str, int]
 
 @dataclasses.dataclass
 class Compiled:
-    """One compiled program: XLA's memory analysis (bytes per device) and its cost with loops
-    counted (`program_cost`); `memory` None when the compiler found it does not fit."""
+    """One compiled program: XLA's memory analysis (bytes per device), its cost with loops
+    counted (`program_cost`) and the factor by which each cache leaf's layout (the compiler's
+    choice) pads it (`layout_padding`); `memory` None when the compiler found it does not fit."""
 
     memory: dict | None
     cost: dict | None
     error: str | None = None
+    cache_padding: dict | None = None
+
+
+def laid_out_bytes(shape: tuple[int, ...], dtype, layout) -> int:
+    """Bytes an array of `shape` takes in device memory in `layout` (a jax Layout: the order of
+    its dims and the tile of its minor ones): its minor dims padded to whole tiles, as a TPU lays
+    out HBM. With no tiling (GPU), its shape's bytes."""
+    dims = [shape[i] for i in layout.major_to_minor]
+    for k, t in enumerate(reversed(layout.tiling[0] if layout.tiling else ())):
+        dims[-1 - k] = -(-dims[-1 - k] // t) * t
+    return math.prod(dims) * jnp.dtype(dtype).itemsize
+
+
+def layout_padding(cache: dict, formats: dict) -> dict:
+    """Per cache leaf (its path, e.g. "csa/pool"), the bytes of its shard as laid out over its
+    shard's bytes (>= 1): a TPU pads an array's last dim to 128 lanes, so a pool of 146-word
+    records (584 bytes) takes 256 words an entry in the row-major tiling the attention kernel
+    gathers from."""
+    out = {}
+    for (path, leaf), fmt in zip(jax.tree_util.tree_flatten_with_path(cache)[0], jax.tree.leaves(formats)):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        out["/".join(k.key for k in path)] = laid_out_bytes(shape, leaf.dtype, fmt.layout) / (
+            math.prod(shape) * leaf.dtype.itemsize)
+    return out
 
 
 def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
@@ -224,7 +253,8 @@ def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
         raise
     return Compiled(result.memory, program_cost(result.compiled.as_text(), EXCHANGE_ROUNDS,
                                                 branch_shares(s.cfg), aot.target(s.target).platform,
-                                                unchosen_expert_bytes(s, tokens)))
+                                                unchosen_expert_bytes(s, tokens)),
+                    cache_padding=layout_padding(cache, result.compiled.input_formats[0][1]))
 
 
 def memory_need(c: Compiled) -> int | None:
@@ -684,10 +714,14 @@ def memory_plan(s: Setup, max_len: int, decode: Compiled, prefill: Compiled) -> 
     """Per-device bytes: the parameter and cache shards, the programs' needs (the larger: they do
     not run at once), and whether it all fits the device's memory."""
     params = device_bytes(s.params)
-    cache = device_bytes(abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout, s.kv_cache_dtype))
+    cache = abstract_cache(s.cfg, s.batch, max_len, s.mesh, s.layout, s.kv_cache_dtype)
+    logical = device_bytes(cache)
+    padding = decode.cache_padding or {}  # none when the compiler refused the program
+    cache = round(sum(device_bytes(leaf) * padding.get("/".join(k.key for k in path), 1.0)
+                      for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]))
     device = aot.target(s.target).spec.memory_bytes
     needs = [memory_need(c) for c in (decode, prefill)]
-    out = {"parameter_bytes": params, "cache_bytes": cache}
+    out = {"parameter_bytes": params, "cache_bytes": cache, "cache_shape_bytes": logical}
     if None in needs:  # the compiler itself found a program too big for the device
         failed = [c.error for c in (decode, prefill) if c.memory is None][0]
         out.update(temp_bytes=None, other_bytes=None, total_bytes=None, memory_bytes=device, fits=False,
@@ -702,28 +736,40 @@ def memory_plan(s: Setup, max_len: int, decode: Compiled, prefill: Compiled) -> 
     return out
 
 
-def sequence_bytes(cfg: ModelConfig, seq_len: int, kv_cache_dtype: str) -> dict:
+def sequence_bytes(cfg: ModelConfig, seq_len: int, kv_cache_dtype: str, padding: dict | None = None) -> dict:
     """Bytes of one sequence of seq_len tokens on each device holding it (its rows' rings and
     compressor states, and its blocks of the pools, which the layouts keep whole on the devices of
-    its rows): {"block_bytes", "bytes_per_sequence"}."""
+    its rows): {"block_bytes", "bytes_per_sequence"}; with `padding` (`layout_padding`), each
+    leaf's bytes as the compiled program lays it out, else its shape's."""
     bs = default_block_size(cfg)
-    spec = cache_spec(cfg, 1, seq_len, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
-    per_row = sum(math.prod(shape) * jnp.dtype(dtype).itemsize for path, (shape, dtype) in
-                  jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda x: isinstance(x, tuple))[0]
-                  if path[-1].key != "pool")
-    block = block_bytes(cfg, bs, jnp.bfloat16, kv_cache_dtype)
-    return {"block_bytes": block, "bytes_per_sequence": per_row + blocks_per_row(seq_len, bs) * block}
+    blocks = blocks_per_row(seq_len, bs)
+    row = cache_spec(cfg, 1, seq_len, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
+    block = cache_spec(cfg, 1, bs, jnp.bfloat16, block_size=bs, num_blocks=1, kv_cache_dtype=kv_cache_dtype)
+    parts = {"block_bytes": 0.0, "bytes_per_sequence": 0.0}
+    for path, (shape, dtype) in jax.tree_util.tree_flatten_with_path(row, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        name = "/".join(k.key for k in path)
+        factor = 1.0 if padding is None else padding.get(name, 1.0)
+        if path[-1].key == "pool":  # the sequence's blocks
+            nbytes = math.prod(block[path[0].key]["pool"][0]) * jnp.dtype(dtype).itemsize * factor
+            parts["block_bytes"] += nbytes
+            parts["bytes_per_sequence"] += blocks * nbytes
+        else:
+            parts["bytes_per_sequence"] += math.prod(shape) * jnp.dtype(dtype).itemsize * factor
+    return {k: round(v) for k, v in parts.items()}
 
 
-def cache_plan(s: Setup, seq_len: int, per_device: dict) -> dict:
-    """The `cache` section of the plan (module doc)."""
+def cache_plan(s: Setup, seq_len: int, per_device: dict, padding: dict) -> dict:
+    """The `cache` section of the plan (module doc); padding: the decode program's
+    `layout_padding`."""
     mine, bf16 = sequence_bytes(s.cfg, seq_len, s.kv_cache_dtype), sequence_bytes(s.cfg, seq_len, "auto")
+    laid_out = sequence_bytes(s.cfg, seq_len, s.kv_cache_dtype, padding)
     out = {"kv_cache_dtype": s.kv_cache_dtype, "seq_len": seq_len, **mine,
-           "bf16_bytes_per_sequence": bf16["bytes_per_sequence"]}
+           "bf16_bytes_per_sequence": bf16["bytes_per_sequence"],
+           "laid_out_block_bytes": laid_out["block_bytes"], "laid_out_bytes_per_sequence": laid_out["bytes_per_sequence"]}
     if per_device["total_bytes"] is None:
         return dict(out, free_bytes=None, sequences_per_device=None, sequences=None)
     free = per_device["memory_bytes"] - per_device["total_bytes"] + per_device["cache_bytes"]
-    per = max(free, 0) // mine["bytes_per_sequence"]
+    per = max(free, 0) // laid_out["bytes_per_sequence"]
     return dict(out, free_bytes=free, sequences_per_device=per, sequences=per * s.shards(sharding.BATCH))
 
 
@@ -826,7 +872,7 @@ def plan(model: str, target: str, layout: str | None = None, mesh_axes: dict[str
         "decode": _step_figures(s, decode, min_bytes(s, max_len, 1), rows),
         "prefill": _step_figures(s, prefill, min_bytes(s, max_len, prefill_chunk), rows * prefill_chunk),
     }
-    out["cache"] = cache_plan(s, max_len if seq_len is None else seq_len, out["per_device"])
+    out["cache"] = cache_plan(s, max_len if seq_len is None else seq_len, out["per_device"], decode.cache_padding)
     if search_context:
         pd = out["per_device"]
         search = find_max_context(s, prefill_chunk, {max_len: pd["total_bytes"]})
