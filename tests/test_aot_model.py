@@ -66,7 +66,8 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
         # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The
         # indexer's keys, 128 values, are decoded for its scores, which XLA computes.)
         nope = cfg.head_dim - cfg.rope_head_dim
-        shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", result.compiled.as_text())]
+        text = result.compiled.as_text()
+        shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", text)]
         nope_values = [sh for sh in shapes if sh[-1] == nope or sh[-2:] == [nope // 64, 64]]
         assert nope_values and all(sh[1] <= tokens for sh in nope_values), nope_values
     # The cache is donated and comes back in place; logits [B, 1, V] fp32 (last_only).

@@ -240,8 +240,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
             own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
             n_valid=ch.n_valid, folded=ch.folded)
         stored = _pinned(_stored(keys, ci["pool"], 0), ci["pool"], ch, CSA)
-        return (kv_record.read(stored, *_key_dims(cfg), keys.dtype), {"entries": stored, "n_new": n_keys, **_state_payload(state)},
-                ci["pool"])
+        payload = {"entries": stored, "n_new": n_keys, **_state_payload(state)}
+        return kv_record.read(stored, *_key_dims(cfg), keys.dtype), payload, ci["pool"]
 
     def own_choice(keys, key_pool):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
@@ -259,9 +259,9 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
             keys, payload, key_pool = indexer_keys()
             if ctx.measure_reuse:
-                measures = attention.reuse_measures(
-                    lay.q, kv_record.read(ring, *_kv_dims(cfg), dtype), kv_record.read(kv, *_kv_dims(cfg), dtype),
-                    kv_record.read(ordered, *_kv_dims(cfg), dtype), own_choice(keys, key_pool)[1], ids, lay.sink, ch.p0, cfg)
+                values = [kv_record.read(x, *_kv_dims(cfg), dtype) for x in (ring, kv, ordered)]
+                measures = attention.reuse_measures(lay.q, *values, own_choice(keys, key_pool)[1], ids, lay.sink, ch.p0,
+                                                    cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
@@ -277,7 +277,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     else:
         comp_rows, comp_idx = ordered, ids
         if ctx.indexer_kl and not reuse:
-            kl = distillation_kl(lay.q, kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids, cfg.head_dim ** -0.5)
+            kl = distillation_kl(lay.q, kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids,
+                                 cfg.head_dim ** -0.5)
     o = attention.attend(lay.q, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
 

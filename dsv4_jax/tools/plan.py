@@ -765,7 +765,8 @@ def cache_plan(s: Setup, seq_len: int, per_device: dict, padding: dict) -> dict:
     laid_out = sequence_bytes(s.cfg, seq_len, s.kv_cache_dtype, padding)
     out = {"kv_cache_dtype": s.kv_cache_dtype, "seq_len": seq_len, **mine,
            "bf16_bytes_per_sequence": bf16["bytes_per_sequence"],
-           "laid_out_block_bytes": laid_out["block_bytes"], "laid_out_bytes_per_sequence": laid_out["bytes_per_sequence"]}
+           "laid_out_block_bytes": laid_out["block_bytes"],
+           "laid_out_bytes_per_sequence": laid_out["bytes_per_sequence"]}
     if per_device["total_bytes"] is None:
         return dict(out, free_bytes=None, sequences_per_device=None, sequences=None)
     free = per_device["memory_bytes"] - per_device["total_bytes"] + per_device["cache_bytes"]
