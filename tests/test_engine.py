@@ -36,7 +36,8 @@ def engine(model):
 
 @pytest.fixture(scope="module")
 def alone(model):
-    """generate on one prompt alone, prefilling in the engine's chunks."""
+    """generate on one prompt alone, prefilling in the engine's chunks, with the engine's cache
+    length (one set of programs for every prompt, shared with StaticEngine's)."""
     cache = {}
 
     def run(prompt, n):
@@ -45,7 +46,7 @@ def alone(model):
             mp = pytest.MonkeyPatch()
             mp.setattr(generate_module, "PREFILL_CHUNK", CHUNK)
             try:
-                cache[key] = dsv4_jax.generate(model, [prompt], n).rows()[0]
+                cache[key] = dsv4_jax.generate(model, [prompt], n, max_len=MAX_LEN).rows()[0]
             finally:
                 mp.undo()
         return cache[key]
@@ -70,10 +71,11 @@ COMPILES = _Compiles()
 
 def test_warmup_runs_every_program_and_changes_no_state(model):
     """warm-up runs each program on random ids in rows that hold: afterwards the state is a new
-    engine's, leaf for leaf, and a request compiles nothing."""
-    eng = Engine(model, slots=2, max_len=64, prefill_chunk=16)
-    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 x 16
-    assert eng.warmup(decode_runs=2) == 4 + 2 * 1
+    engine's, leaf for leaf, and a request compiles nothing. (The `engine` fixture's sizes: the
+    programs compiled here are those it warms up.)"""
+    eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
+    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 / 4 x 16 / 32
+    assert eng.warmup(decode_runs=2) == 4 + 3 * 2
     fresh = jax.tree.leaves(eng._new_state())
     after = jax.tree.leaves(eng.state)
     assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))
@@ -211,13 +213,13 @@ def test_static_engine_runs_each_request_with_its_own_sampling(model):
     V = model.config.vocab_size
     prompts = [list(map(int, rng.integers(0, V, n))) for n in (9, 21)]
     asks = [dict(), dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)]
-    free = [dsv4_jax.generate(model, [p], 12, **a).rows()[0] for p, a in zip(prompts, asks)]
+    free = [dsv4_jax.generate(model, [p], 12, max_len=MAX_LEN, **a).rows()[0] for p, a in zip(prompts, asks)]
     stops = [free[0][7], free[1][4]]
     eng = StaticEngine(model, slots=2, max_len=MAX_LEN)
     reqs = [eng.submit(p, 12, stop_token_ids=[s], **a) for p, a, s in zip(prompts, asks, stops)]
     assert eng.step() and all(r.done for r in reqs)
     for r, p, a, s in zip(reqs, prompts, asks, stops):
-        assert r.tokens == dsv4_jax.generate(model, [p], 12, eos_token_id=s, **a).rows()[0]
+        assert r.tokens == dsv4_jax.generate(model, [p], 12, eos_token_id=s, max_len=MAX_LEN, **a).rows()[0]
         assert r.finish_reason == "stop" and r.tokens[-1] == s
 
 

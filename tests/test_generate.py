@@ -33,6 +33,17 @@ def _close(a, b):
     return np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
 
 
+def _chunk(params, cache, ids, cfg, widths=(1, 32, 128)):
+    """step on the chunk ids `[B, c]` padded to the smallest of `widths` that holds it, n_valid c
+    for every row (padding is neither stored nor advances a row): a few programs for every chunk
+    length. Returns (the c tokens' logits, the cache)."""
+    B, c = ids.shape
+    padded = np.zeros((B, min(w for w in widths if w >= c)), np.int32)
+    padded[:, :c] = ids
+    logits, cache, *_ = _step(params, cache, padded, cfg, False, n_valid=jnp.full((B,), c, jnp.int32))
+    return np.asarray(logits)[:, :c], cache
+
+
 @pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
     d = dict(H.TINY)
@@ -66,12 +77,12 @@ def test_decode_logits_equal_full_forward(tiny):
     cfg, params = tiny
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 150)).astype(np.int32)
     full = np.asarray(_forward(params, ids, cfg))
-    cache = init_cache(cfg, 2, 160)
-    logits, cache, *_ = _step(params, cache, ids[:, :6], cfg, False)
-    out = [np.asarray(logits)]
+    cache = init_cache(cfg, 2, 256)  # (test_chunked_prefill_equals_one_pass's programs)
+    logits, cache = _chunk(params, cache, ids[:, :6], cfg)
+    out = [logits]
     for t in range(6, 150):
-        logits, cache, *_ = _step(params, cache, ids[:, t:t + 1], cfg, False)
-        out.append(np.asarray(logits))
+        logits, cache = _chunk(params, cache, ids[:, t:t + 1], cfg)
+        out.append(logits)
     out = np.concatenate(out, axis=1)
     assert np.asarray(cache["pos"]).tolist() == [150, 150]
     for t in range(150):
@@ -81,15 +92,16 @@ def test_decode_logits_equal_full_forward(tiny):
 
 @pytest.mark.parametrize("chunks", [[3, 5, 2, 70, 1, 49, 20], [128, 22]])
 def test_chunked_prefill_equals_one_pass(tiny, chunks):
-    """Chunk boundaries inside compression blocks (ratio 4 and 128) and inside the window."""
+    """Chunk boundaries inside compression blocks (ratio 4 and 128) and inside the window (each
+    chunk padded to 1, 32 or 128 tokens, n_valid its real ones)."""
     cfg, params = tiny
     S = sum(chunks)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, S)).astype(np.int32)
     full = np.asarray(_forward(params, ids, cfg))
     cache, pos, out = init_cache(cfg, 2, 256), 0, []
     for c in chunks:
-        logits, cache, *_ = _step(params, cache, ids[:, pos:pos + c], cfg, False)
-        out.append(np.asarray(logits))
+        logits, cache = _chunk(params, cache, ids[:, pos:pos + c], cfg)
+        out.append(logits)
         pos += c
     assert _close(np.concatenate(out, axis=1), full)
 

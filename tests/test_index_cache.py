@@ -1,6 +1,7 @@
 """IndexCache: the schedule, reuse in the stack, both compressor semantics, and bad patterns."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -80,17 +81,22 @@ def test_freq_one_equals_off(params):
 
 def _attended_indices(params, cfg, ids, monkeypatch):
     """The compressed-row indices each layer's attention received (None for window-only
-    layers), in layer order (run eagerly)."""
+    layers), in layer order: a callback in each layer kind's attention reports them as the
+    compiled forward runs its layers (the layer scan runs one switch branch a layer)."""
     seen = []
     real = attention.attend
 
     def spy(q, ring, kv, comp_rows, comp_idx, *rest):
-        seen.append(None if comp_idx is None else np.asarray(comp_idx))
+        if comp_idx is None:
+            jax.debug.callback(lambda: seen.append(None), ordered=True)
+        else:
+            jax.debug.callback(lambda i: seen.append(np.asarray(i)), comp_idx, ordered=True)
         return real(q, ring, kv, comp_rows, comp_idx, *rest)
 
     monkeypatch.setattr(attention, "attend", spy)
-    with jax.disable_jit():
-        forward(params, ids, cfg)
+    jax.block_until_ready(jax.jit(lambda p, i: forward(p, i, cfg))(params, ids))  # traced here, with the spy
+    jax.effects_barrier()
+    assert len(seen) == cfg.num_layers
     return seen
 
 
@@ -120,8 +126,12 @@ def test_decode_equals_full_forward_with_reuse(params, skip_compressor):
     jstep = jax.jit(step, static_argnums=(3, 4), donate_argnums=1)
     out, pos = [], 0
     for c in (7, 30, 1, 1, 1, 2, 48):
-        logits, cache, *_ = jstep(params, cache, ids[:, pos:pos + c], cfg, False)
-        out.append(np.asarray(logits))
+        # the chunk padded to 1 or 48 tokens, n_valid its real ones (two programs, not five)
+        T = 1 if c == 1 else 48
+        chunk = np.zeros((2, T), np.int32)
+        chunk[:, :c] = ids[:, pos:pos + c]
+        logits, cache, *_ = jstep(params, cache, chunk, cfg, False, n_valid=jnp.full((2,), c, jnp.int32))
+        out.append(np.asarray(logits)[:, :c])
         pos += c
     out = np.concatenate(out, axis=1)
     assert np.abs(out - full).max() <= 1e-4 * max(1.0, np.abs(full).max())

@@ -54,9 +54,10 @@ def test_logits_match_transformers(pair):
 
 def test_causal(pair):
     """Appending tokens never changes earlier logits (the compressor and indexer respect
-    causality across block boundaries)."""
+    causality across block boundaries). Two rows, 129 and max(lengths) tokens: shapes
+    test_logits_match_transformers compiled."""
     _, model, d, lengths = pair
-    ids = np.random.default_rng(1).integers(0, d["vocab_size"], size=(1, max(lengths)))
-    short = np.asarray(model(ids[:, :130]))
+    ids = np.random.default_rng(1).integers(0, d["vocab_size"], size=(2, max(lengths)))
+    short = np.asarray(model(ids[:, :129]))
     full = np.asarray(model(ids))
-    np.testing.assert_allclose(full[:, :130], short, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(full[:, :129], short, rtol=0, atol=1e-5)

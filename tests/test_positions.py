@@ -25,19 +25,29 @@ def _close(a, b):
     return np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
 
 
+def _full(params, cfg, seq, S=300):
+    """The full forward's logits of `seq` alone: one program for every sequence, which is padded
+    at the end to S tokens (a causal model's logits at a position do not depend on the tokens
+    after it: tests/test_model_parity.py::test_causal)."""
+    ids = np.zeros((1, S), np.int32)
+    ids[0, :len(seq)] = seq
+    return np.asarray(_forward(params, ids, cfg))[0, :len(seq)]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = dsv4_jax.ModelConfig.from_hf(H.TINY)  # window 8, ratios 4 and 128
     return cfg, dsv4_jax.init_params(cfg, seed=5, std=0.1)
 
 
-def _run(params, cfg, cache, chunks, seqs, got):
+def _run(params, cfg, cache, chunks, seqs, got, widths=(1, 3, 16)):
     """Feeds the cache (row b at position pos[b]) `chunks`: a list of per-row token counts, one
-    chunk of T = max(counts) per call, rows padded with random tokens (padding must not matter);
-    collects each row's logits per position in `got[b]`."""
+    chunk per call of T = the smallest of `widths` that holds max(counts) (a few shapes, so a few
+    compiles), rows padded with random tokens (padding must not matter); collects each row's
+    logits per position in `got[b]`."""
     rng = np.random.default_rng(len(chunks))
     for counts in chunks:
-        T = max(max(counts), 1)
+        T = min(w for w in widths if w >= max(counts))
         pos = np.asarray(cache["pos"])
         ids = rng.integers(0, cfg.vocab_size, (len(counts), T)).astype(np.int32)
         for b, n in enumerate(counts):
@@ -68,8 +78,7 @@ def test_mixed_positions_equal_full_forward(tiny):
     cache = _run(params, cfg, cache, chunks, seqs, got)
     assert np.asarray(cache["pos"]).tolist() == [S] * B
     for b in range(B):
-        full = np.asarray(_forward(params, seqs[b:b + 1], cfg))[0]
-        assert _close(np.stack(got[b]), full), f"row {b}"
+        assert _close(np.stack(got[b]), _full(params, cfg, seqs[b])), f"row {b}"
 
 
 def test_row_reset_and_prefilled_while_others_hold(tiny):
@@ -95,17 +104,18 @@ def test_row_reset_and_prefilled_while_others_hold(tiny):
     cache = put_rows(cache, jnp.asarray([1]), sub)
     cache = _run(params, cfg, cache, [[1, 5]] + [[1, 1]] * 30, [a, new], got)
     assert np.asarray(cache["pos"]).tolist() == [45, 67]
-    assert _close(np.stack(got[0]), np.asarray(_forward(params, a[None, :45], cfg))[0])
-    assert _close(np.stack(got[1]), np.asarray(_forward(params, new[None], cfg))[0])
+    assert _close(np.stack(got[0]), _full(params, cfg, a[:45]))
+    assert _close(np.stack(got[1]), _full(params, cfg, new))
 
 
 def test_last_only_takes_each_rows_last_real_token(tiny):
     """With last_only, row b's logits are those of its token n_valid[b] - 1 (another program:
-    equal within the tolerance, not bit for bit)."""
+    equal within the tolerance, not bit for bit). The shapes of test_mixed_positions_equal_full_forward's
+    16-token chunks, whose program the full logits reuse."""
     cfg, params = tiny
-    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (3, 9)).astype(np.int32)
-    n = jnp.asarray([9, 4, 1], jnp.int32)
-    full = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, False, False, n).logits
-    last, cache, *_ = _step(params, init_cache(cfg, 3, 16), jnp.asarray(ids), cfg, True, False, n)
-    assert np.asarray(cache["pos"]).tolist() == [9, 4, 1]
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (3, 16)).astype(np.int32)
+    n = jnp.asarray([16, 4, 1], jnp.int32)
+    full = _step(params, init_cache(cfg, 3, 320), jnp.asarray(ids), cfg, False, False, n).logits
+    last, cache, *_ = _step(params, init_cache(cfg, 3, 320), jnp.asarray(ids), cfg, True, False, n)
+    assert np.asarray(cache["pos"]).tolist() == [16, 4, 1]
     assert _close(np.asarray(last)[:, 0], np.asarray(full)[np.arange(3), np.asarray(n) - 1])

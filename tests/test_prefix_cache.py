@@ -28,12 +28,15 @@ from dsv4_jax.runtime.engine import Engine  # noqa: E402
 CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # 7 layers, window 8, ratios 4 and 128: blocks of 128 tokens
 TOL = 1e-5
 _run = jax.jit(step, static_argnums=3)
+CHUNK_WIDTHS = (176, 304)  # a restart's chunk, padded: at most 301 tokens, and within the cache from 248 on
 
 
 def _logits_after_restart(params, prefix, suffix, follow, start):
     """Row 1 of a two-row cache restarted at `start` over the blocks row 0 filled with `prefix`
-    (its rings and compressor states hold another prompt's values), fed prefix[start:] + suffix,
-    then `follow` one token a step: its logits at the suffix's positions and at each step."""
+    (its rings and compressor states hold another prompt's values), fed prefix[start:] + suffix
+    (one chunk, padded to the next of CHUNK_WIDTHS as the engine pads its chunks: two programs for
+    every restart point), then `follow` one token a step: its logits at the suffix's positions
+    and at each step."""
     P = len(prefix)
     cache = init_cache(CFG, 2, 512, jnp.float32)
     rng = np.random.default_rng(9)
@@ -44,10 +47,10 @@ def _logits_after_restart(params, prefix, suffix, follow, start):
     cache["shared"] = jnp.asarray([0, P], jnp.int32)
     cache["pos"] = cache["pos"].at[1].set(start)
     chunk = np.concatenate([prefix[start:], suffix])
-    ids = np.zeros((2, len(chunk)), np.int32)
-    ids[1] = chunk
+    ids = np.zeros((2, min(w for w in CHUNK_WIDTHS if w >= len(chunk))), np.int32)
+    ids[1, :len(chunk)] = chunk
     out = _run(params, cache, jnp.asarray(ids), CFG, n_valid=jnp.asarray([0, len(chunk)]))
-    seen, cache = [out.logits[1, P - start:]], out.cache
+    seen, cache = [out.logits[1, P - start:len(chunk)]], out.cache
     for t in follow:
         out = _run(params, cache, jnp.asarray([[0], [t]]), CFG, n_valid=jnp.asarray([0, 1]))
         seen.append(out.logits[1])

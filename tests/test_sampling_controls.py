@@ -150,7 +150,7 @@ def test_engine_controls_equal_a_numpy_rollout(model):
     cfg = model.config
     Vm = cfg.vocab_size
     rng = np.random.default_rng(3)
-    eng = Engine(model, slots=4, max_len=192, prefill_chunk=32)
+    eng = Engine(model, slots=4, max_len=192, prefill_chunk=16)
     eng.warmup(decode_runs=1)
     specs = []
     for i, n in enumerate((3, 40, 70, 9, 130)):
@@ -166,11 +166,17 @@ def test_engine_controls_equal_a_numpy_rollout(model):
         reqs = [eng.submit(p, 12, **kw) for p, kw in specs]
         eng.run_until_idle()
     assert compiles.compiled == 0, compiles.programs
-    for (prompt, kw), r in zip(specs, reqs):
+    # every request's sequence in one forward, padded at the end (causal: the logits at a position
+    # do not depend on the tokens after it, tests/test_model_parity.py::test_causal)
+    seqs = [prompt + r.tokens for (prompt, _), r in zip(specs, reqs)]
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)] = seq
+    full = np.asarray(_forward(model.params, jnp.asarray(ids), cfg))
+    for b, ((prompt, kw), r) in enumerate(zip(specs, reqs)):
         assert r.finish_reason in ("stop", "length") and len(r.logprobs) == len(r.tokens)
         p = SamplingParams.checked(Vm, **kw)
-        seq = prompt + r.tokens
-        logits = np.asarray(_forward(model.params, jnp.asarray([seq]), cfg))[0, len(prompt) - 1:]
+        logits = full[b, len(prompt) - 1:len(seqs[b])]
         prompt_seen = np.zeros(Vm, bool)
         prompt_seen[prompt] = True
         for i, token in enumerate(r.tokens):
@@ -213,7 +219,7 @@ def test_engine_constraints_mask_every_draw(model):
     when it is done; the free ones are their own alone; nothing compiles after warm-up."""
     Vm = model.config.vocab_size
     rng = np.random.default_rng(4)
-    eng = Engine(model, slots=4, max_len=192, prefill_chunk=32)
+    eng = Engine(model, slots=4, max_len=192, prefill_chunk=16)
     eng.warmup(decode_runs=1)
     wanted = [rng.integers(0, Vm, n).tolist() for n in (5, 9)]
     prompts = [rng.integers(0, Vm, n).tolist() for n in (7, 50, 20, 3)]
