@@ -126,18 +126,18 @@ def model():
 _ALONE: dict = {}
 
 
-def _alone(model, prompt, n, **sampling):
-    """generate on one prompt alone, in the engine's chunks of 64 and at its cache length (one set
-    of programs for every prompt), each answer computed once in the module."""
+def _alone(model, prompt, n, max_len=256, **sampling):
+    """generate on one prompt alone, in the engine's chunks of 64 and at a cache length of max_len
+    (the engine's: one set of programs for every prompt), each answer computed once in the module."""
     from dsv4_jax.runtime import generate as generate_module
 
-    key = (tuple(prompt), n, tuple(sorted(sampling.items())))
+    key = (tuple(prompt), n, max_len, tuple(sorted(sampling.items())))
     if key in _ALONE:
         return _ALONE[key]
     mp = pytest.MonkeyPatch()
     mp.setattr(generate_module, "PREFILL_CHUNK", 64)
     try:
-        _ALONE[key] = dsv4_jax.generate(model, [prompt], n, max_len=256, **sampling).rows()[0]
+        _ALONE[key] = dsv4_jax.generate(model, [prompt], n, max_len=max_len, **sampling).rows()[0]
         return _ALONE[key]
     finally:
         mp.undo()
