@@ -26,7 +26,7 @@ from dsv4_jax.runtime.compile_cache import CompileCounter
 from dsv4_jax.serving import chat, serve
 from dsv4_jax.tools.random_checkpoint import write_random_checkpoint
 
-FLAGS = ["--dtype", "float32", "--slots", "4", "--max-len", "2048", "--prefill-chunk", "128", "--compile-cache", "off"]
+FLAGS = ["--dtype", "float32", "--slots", "4", "--max-len", "2048", "--prefill-chunk", "32", "--compile-cache", "off"]
 # The random model ends a free-text value only by chance, so the tools' parameters are bounded:
 # enums, ranged integers, booleans, short arrays (a grammar bounds them; raw text it does not).
 WEATHER = {"type": "function", "function": {
