@@ -235,3 +235,29 @@ def test_engine_constraints_mask_every_draw(model):
         alone = eng.submit(p, 6, temperature=1.0, seed=7)
         eng.run_until_idle()
         assert r.tokens == alone.tokens
+
+
+def test_decode_controls_are_sent_when_the_requests_drawing_change(model):
+    """The decode step's sampling controls (no request constrained) stay on the device while the
+    same requests draw: rebuilt only when a request joins or leaves, not every step; each request
+    (sampled, its key counting its tokens) still draws what it draws alone."""
+    Vm = model.config.vocab_size
+    rng = np.random.default_rng(5)
+    eng = Engine(model, slots=4, max_len=192, prefill_chunk=16)
+    specs = [(rng.integers(0, Vm, n).tolist(), m, dict(temperature=1.0, seed=i, top_k=int(rng.integers(5, 50)),
+                                                         logit_bias={str(int(rng.integers(Vm))): 4.0}))
+             for i, (n, m) in enumerate(((5, 6), (30, 14), (12, 9)))]
+    reqs = [eng.submit(p, m, **kw) for p, m, kw in specs]
+    built, decode_steps = [], 0
+    while eng.step():
+        if eng._controls is not None and (not built or eng._controls[1] is not built[-1][1]):
+            built.append(eng._controls)
+        decode_steps += any(r.tokens for r in reqs)
+    keys = [key for key, _ in built]
+    assert all(a != b for a, b in zip(keys, keys[1:])), keys  # a rebuild only for other requests
+    # each request joins the drawing once and leaves once: at most 2 n - 1 sets of them in turn
+    assert len(built) <= 2 * len(reqs) - 1 < decode_steps, (len(built), decode_steps)
+    for r, (p, m, kw) in zip(reqs, specs):
+        alone = eng.submit(p, m, **kw)
+        eng.run_until_idle()
+        assert r.tokens == alone.tokens

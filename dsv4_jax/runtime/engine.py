@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -286,6 +287,9 @@ class Engine:
         self.fork_rows = 0 if deterministic else self.pool.rows_per_shard - 1
         self.recompute = recompute_span(cfg, lookahead_layers=1 if self.k else 0)
         self._table_changed = False
+        # The decode step's sampling controls on the devices, and the (slot, request id) pairs they
+        # are for (`_decode_sampling`).
+        self._controls: tuple[tuple, decode.Sampling] | None = None
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free = list(range(self.slots))
@@ -615,6 +619,24 @@ class Engine:
             self._fill_masks(s, reqs)
         return s
 
+    def _decode_sampling(self, reqs: dict[int, EngineRequest]) -> decode.Sampling:
+        """`_sampling` for the decode step (or verification) over all slots, on the devices, split by
+        rows as the slots are. Unless a request is constrained (its mask changes every step), the
+        controls are built and put there only when the requests drawing change, and each step
+        sends only how many tokens each has drawn: built every step, they would be most of the
+        host's work between steps (the grammar mask alone is V / 8 bytes a slot)."""
+        place = functools.partial(jax.tree.map, self.model.place_rows)
+        if any(r.constraint is not None for r in reqs.values()):
+            return place(self._sampling(reqs, self.slots))
+        key = tuple(sorted((i, r.id) for i, r in reqs.items()))
+        if self._controls is None or self._controls[0] != key:
+            self._controls = key, place(decode.Sampling.rows(self.slots, self.cfg.vocab_size,
+                                                             {i: r.sampling for i, r in reqs.items()}))
+        drawn = np.zeros(self.slots, np.int32)
+        for i, r in reqs.items():
+            drawn[i] = len(r.tokens)
+        return self._controls[1]._replace(drawn=self.model.place_rows(drawn))
+
     @staticmethod
     def _fill_masks(s: decode.Sampling, reqs: dict[int, EngineRequest]) -> None:
         for i, r in reqs.items():
@@ -738,7 +760,7 @@ class Engine:
         Returns (Drawn `[S]`, None) or (Drawn `[S, k + 1]`, kept `[S]`); the state is the
         program's."""
         overlap = not self.k and any(r.constraint is not None for r in drawing.values())
-        sample = self._sampling(drawing, self.slots, masks=not overlap)
+        sample = self._sampling(drawing, self.slots, masks=False) if overlap else self._decode_sampling(drawing)
         with self.model.on_mesh():
             if overlap:
                 logits, self.state = decode.decode_logits(self.params, self.state, last, active, self.cfg, start,
