@@ -623,8 +623,8 @@ class Engine:
         """`_sampling` for the decode step (or verification) over all slots, on the devices, split by
         rows as the slots are. Unless a request is constrained (its mask changes every step), the
         controls are built and put there only when the requests drawing change, and each step
-        sends only how many tokens each has drawn: built every step, they would be most of the
-        host's work between steps (the grammar mask alone is V / 8 bytes a slot)."""
+        sends only how many tokens each has drawn, not the controls again (the grammar mask alone
+        is V / 8 bytes a slot)."""
         place = functools.partial(jax.tree.map, self.model.place_rows)
         if any(r.constraint is not None for r in reqs.values()):
             return place(self._sampling(reqs, self.slots))
