@@ -90,3 +90,17 @@ def text_splits(text: str):
         yield pieces
     for cut in range(1, len(text)):
         yield [text[:cut], text[cut:]]
+
+
+# With `--no-loadscope-reorder` (pyproject.toml), xdist's `--dist loadfile` hands a free worker the
+# next file in collection order, not the file with the most tests next (which hands out a long file
+# of few tests, such as this suite's training tests, near the end): the files whose tests take
+# minutes (module fixtures that train, serve or compile whole plans) are collected first, so that
+# the last files handed out are short ones and neither worker idles long while the other finishes.
+LONG_FILES = ("test_train.py", "test_serve_api.py", "test_plan.py", "test_speculative.py", "test_readme.py",
+              "test_prefix_cache.py", "test_serve_hostile.py", "test_convert.py", "test_model_parity.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_FILES)))  # stable: files keep their order
