@@ -20,9 +20,10 @@ import pytest  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 import hf_oracle as H  # noqa: E402
-from dsv4_jax.model.cache import init_cache, recompute_span  # noqa: E402
+from dsv4_jax.model.cache import init_cache, layers_to_run, recompute_span  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
 from dsv4_jax.runtime.blocks import BlockPool, chain  # noqa: E402
+from dsv4_jax.runtime import decode  # noqa: E402
 from dsv4_jax.runtime.engine import Engine  # noqa: E402
 
 CFG = dsv4_jax.ModelConfig.from_hf(H.TINY)  # 7 layers, window 8, ratios 4 and 128: blocks of 128 tokens
@@ -31,12 +32,9 @@ _run = jax.jit(step, static_argnums=3)
 CHUNK_WIDTHS = (176, 304)  # a restart's chunk, padded: at most 301 tokens, and within the cache from 248 on
 
 
-def _logits_after_restart(params, prefix, suffix, follow, start):
-    """Row 1 of a two-row cache restarted at `start` over the blocks row 0 filled with `prefix`
-    (its rings and compressor states hold another prompt's values), fed prefix[start:] + suffix
-    (one chunk, padded to the next of CHUNK_WIDTHS as the engine pads its chunks: two programs for
-    every restart point), then `follow` one token a step: its logits at the suffix's positions
-    and at each step."""
+def _restarted(params, prefix, start) -> dict:
+    """A two-row cache whose row 1 is restarted at `start` over the blocks row 0 filled with
+    `prefix` (its rings and compressor states hold another prompt's values)."""
     P = len(prefix)
     cache = init_cache(CFG, 2, 512, jnp.float32)
     rng = np.random.default_rng(9)
@@ -46,6 +44,15 @@ def _logits_after_restart(params, prefix, suffix, follow, start):
     cache["blocks"] = cache["blocks"].at[1, :P // 128].set(cache["blocks"][0, :P // 128])
     cache["shared"] = jnp.asarray([0, P], jnp.int32)
     cache["pos"] = cache["pos"].at[1].set(start)
+    return cache
+
+
+def _logits_after_restart(params, prefix, suffix, follow, start):
+    """Row 1 of a `_restarted` cache fed prefix[start:] + suffix (one chunk, padded to the next of
+    CHUNK_WIDTHS as the engine pads its chunks: two programs for every restart point), then
+    `follow` one token a step: its logits at the suffix's positions and at each step."""
+    P = len(prefix)
+    cache = _restarted(params, prefix, start)
     chunk = np.concatenate([prefix[start:], suffix])
     ids = np.zeros((2, min(w for w in CHUNK_WIDTHS if w >= len(chunk))), np.int32)
     ids[1, :len(chunk)] = chunk
@@ -82,6 +89,34 @@ def test_recomputing_the_span_rebuilds_the_state_at_the_reuse_point():
     for start in (256 - span // 2, 256 - 8):
         got = _logits_after_restart(params, prefix, suffix, follow, start)
         assert np.abs(got - want).max() > 100 * TOL, start
+
+
+def test_span_chunks_run_only_the_layers_they_need():
+    """The span fed in chunks of 8 tokens, each through the first `layers_to_run` layers only
+    (2 to 7 of 7): the logits after it are a run's from position 0; one layer fewer in a single
+    chunk, and they are not."""
+    params = dsv4_jax.init_params(CFG, seed=4, std=0.1)
+    rng = np.random.default_rng(1)
+    prefix, suffix = rng.integers(0, CFG.vocab_size, 256), rng.integers(0, CFG.vocab_size, 45)
+    cache = init_cache(CFG, 1, 512, jnp.float32)
+    want = _run(params, cache, jnp.asarray(np.concatenate([prefix, suffix])[None]), CFG).logits[0, 256:]
+    start = 256 - recompute_span(CFG)
+    plan = [(a, layers_to_run(CFG, start, min(a + 8, 256))) for a in range(start, 256, 8)]
+    assert [d for _, d in plan] == [2, 3, 4, 5, 6, 7, 7]
+    suffix_ids = np.zeros((2, 48), np.int32)
+    suffix_ids[1, :45] = suffix
+    for short in (None, 3):  # the chunk whose depth is cut by one
+        cache = _restarted(params, prefix, start)
+        for j, (a, depth) in enumerate(plan):
+            ids = np.zeros((2, 8), np.int32)
+            ids[1, :min(8, 256 - a)] = prefix[a:a + 8]
+            cache = _run(params, cache, jnp.asarray(ids), CFG, n_valid=jnp.asarray([0, min(8, 256 - a)]),
+                         depth=jnp.int32(depth - (j == short))).cache
+        got = _run(params, cache, jnp.asarray(suffix_ids), CFG, n_valid=jnp.asarray([0, 45])).logits[1, :45]
+        if short is None:
+            np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+        else:
+            assert np.abs(got - want).max() > 100 * TOL
 
 
 def test_block_pool_keys_holds_and_eviction():
@@ -134,10 +169,10 @@ def _requests(seed: int):
     return prefixes, reqs
 
 
-def _serve(model, k: int, caching: bool, prefixes, reqs):
+def _serve(model, k: int, caching: bool, prefixes, reqs, chunk: int):
     """Serves one request per prefix first (their blocks cached as they finish), then the 32 at
     once; returns (each of the 32's tokens, the engine)."""
-    eng = Engine(model, slots=8, max_len=400, prefill_chunk=64, speculative_tokens=k,
+    eng = Engine(model, slots=8, max_len=400, prefill_chunk=chunk, speculative_tokens=k,
                  enable_prefix_caching=caching)
     for p in prefixes:
         eng.submit(p + [1, 2, 3], 2)
@@ -148,16 +183,27 @@ def _serve(model, k: int, caching: bool, prefixes, reqs):
     return [r.tokens for r in out], eng
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_cached_prefixes_give_the_tokens_of_no_cache(model, k):
+@pytest.mark.parametrize("k, chunk", [(0, 64), (2, 16)])
+def test_cached_prefixes_give_the_tokens_of_no_cache(model, k, chunk, monkeypatch):
     """32 concurrent requests over 4 prefixes, each leaving its prefix at another point of the
     window and the compressed blocks: with the prefix cache each request gets the tokens it gets
     without it (greedy and sampled; with k drafts a round from the MTP block, whose state the
-    recomputed span rebuilds too), while most of its prompt comes from the cache."""
+    recomputed span rebuilds too), while most of its prompt comes from the cache. In chunks of 16
+    the span's first chunks run only their lowest layers (`layers_to_run`); in chunks of 64, every
+    chunk reaches past the span's last layer's start."""
     prefixes, reqs = _requests(k)
-    want, off = _serve(model, k, False, prefixes, reqs)
-    got, eng = _serve(model, k, True, prefixes, reqs)
+    want, off = _serve(model, k, False, prefixes, reqs, chunk)
+    depths = []
+    prefill = decode.prefill
+
+    def spy(*args):
+        depths.append(int(args[-1]))
+        return prefill(*args)
+
+    monkeypatch.setattr(decode, "prefill", spy)
+    got, eng = _serve(model, k, True, prefixes, reqs, chunk)
     assert got == want
+    assert (min(depths) < CFG.num_layers) == (chunk == 16)
     c = eng.counters
     assert "prefix_cache_hits" not in off.counters and off.pool.cached == 0
     hits = sum(min(n, len(p) - 1) // 128 * 128 for p, _, _ in reqs for n in SHARED if p[:n] in prefixes)

@@ -196,6 +196,20 @@ def recompute_span(cfg: ModelConfig, lookahead_layers: int = 0) -> int:
     return (cfg.num_layers - 1) * (W - 1) + max(W - 1, CSA) + lookahead_layers * W
 
 
+def layers_to_run(cfg: ModelConfig, start: int, end: int) -> int:
+    """How many of the stack's first layers must run on a chunk ending at position `end` (its
+    last token at end - 1) of a row restarted at `start` > 0, inside a cached prefix, from any
+    state (`recompute_span`). Layer l's input is exact only from start + l * (W - 1) on: what it
+    reads and writes before that is never read by a position that needs to be exact (its window
+    reaches back W - 1 positions and its compressed entries come from the shared blocks), so the
+    layer may skip every chunk that ends before it. The layers above it skip it too; layers past
+    the row's reuse point always all run. A row started at 0 runs every layer: its state is the
+    sequence's own from its first token."""
+    if start <= 0:
+        return cfg.num_layers
+    return min(cfg.num_layers, (end - 1 - start) // (cfg.sliding_window - 1) + 1)
+
+
 def reset_rows(cache: dict, rows: jnp.ndarray, start=0) -> dict:
     """The cache with the rows where `rows` (bool `[B]`) is set restarted at position `start` (int
     or int32 `[B]`; 0: emptied, nothing they hold is read again), nothing folded into their

@@ -1,12 +1,13 @@
 """The whole model: embedding, the layer stack, the hyper-connection head and the LM head.
 
-The stack is one `lax.scan` over layers. The body dispatches with `lax.switch` on the layer's
+The stack is one loop over layers (a `lax.scan`; a while loop where a prefill chunk runs only the
+first layers, `run_layers`'s depth). The body dispatches with `lax.switch` on the layer's
 kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
 each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
-...) and a layer reaches them through its kind-local index, carried in the scan's xs, as it
+...) and a layer reaches them through its kind-local index, carried in the loop's xs, as it
 reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU
 `generate` keeps the large ones as one buffer per layer: dsv4_jax/model/layer_weights.py). The last
-computed indexer top-k travels in the scan carry.
+computed indexer top-k travels in the loop's carry.
 """
 
 from __future__ import annotations
@@ -341,7 +342,7 @@ def _store(group: str, stacks: dict, payload: dict, target, chunk: _Chunk) -> di
 
 
 def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
-    """One layer of the scan: attention (its kind's branch, then the cache writes), then the MoE."""
+    """One layer of the loop: attention (its kind's branch, then the cache writes), then the MoE."""
     params, cfg = ctx.params, ctx.cfg
     h, caches, last_ids = carry
     i, branch, local, index_local, compressed_rope, is_hash, route_local = xs
@@ -401,14 +402,17 @@ def _chunk(cache: dict, B: int, T: int, n_valid, cfg: ModelConfig, rows_in_place
 
 def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray, cfg: ModelConfig,
                n_valid: jnp.ndarray | None = None, measure_reuse: bool = False, rows_in_place: bool = True,
-               indexer_kl: bool = False, expert_load: bool = False):
-    """Runs the layer stack of `params` (one `lax.scan` over cfg's layers, module doc) on the hidden
+               indexer_kl: bool = False, expert_load: bool = False, depth: jnp.ndarray | None = None):
+    """Runs the layer stack of `params` (one loop over cfg's layers, module doc) on the hidden
     streams h `[B, T, hc, D]` of a chunk, row b at positions cache["pos"][b] .. (n_valid as in
     `step`; input_ids int `[B, T]` for hash routing). Returns (the streams after the last layer
     `[B, T, hc, D]`, the cache with the chunk added, per layer (reuse overlap, attention JS, dropped
     mass, indexer KL) `[L, 4]` as `step`'s measure_reuse and indexer_kl, and with expert_load each
-    layer's choices per expert int32 `[L, E]` (else `[L, 0]`)). The MTP block
-    (dsv4_jax/model/mtp.py) runs its one layer through here too, as the stack of a one-layer model."""
+    layer's choices per expert int32 `[L, E]` (else `[L, 0]`)). depth (int32 scalar, at run time;
+    None: every layer): only the first depth layers run, the others neither read nor write their
+    caches and pass the streams through (`cache.layers_to_run`: a row recomputing a cached prefix's
+    span needs no more). The MTP block (dsv4_jax/model/mtp.py) runs its one layer through here too,
+    as the stack of a one-layer model."""
     B, T = input_ids.shape
     sched = LayerSchedule.of(cfg)
     cache = sharding.constrain_cache(cfg, cache)
@@ -421,7 +425,18 @@ def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray
           jnp.asarray(sched.route_local))
     k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    (h, stacks, _), (aux, load) = jax.lax.scan(partial(_layer, ctx, sched, input_ids), (h, stacks, last_ids), xs)
+    L = cfg.num_layers
+
+    def layer(i, carry):
+        h, stacks, last_ids, aux, load = carry
+        (h, stacks, last_ids), (a, n) = _layer(ctx, sched, input_ids, (h, stacks, last_ids),
+                                               jax.tree.map(lambda x: x[i], xs))
+        return h, stacks, last_ids, aux.at[i].set(a), load.at[i].set(n)
+
+    # A static trip count makes this a scan (differentiable); a traced depth, a while loop.
+    aux, load = jnp.broadcast_to(_NO_AUX, (L, 4)), jnp.zeros((L, cfg.n_routed_experts if expert_load else 0), jnp.int32)
+    h, stacks, _, aux, load = jax.lax.fori_loop(0, L if depth is None else jnp.minimum(depth, L), layer,
+                                                (h, stacks, last_ids, aux, load))
     moved = {"pos": chunk.p0 + chunk.n_valid}
     if "folded" in cache:
         lookahead = next(g["ring"].shape[2] for g in stacks.values() if "ring" in g) - cfg.sliding_window
@@ -462,7 +477,8 @@ class StepOutput(NamedTuple):
 
 def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, last_only: bool = False,
          measure_reuse: bool = False, n_valid: jnp.ndarray | None = None, return_hidden: bool = False,
-         rows_in_place: bool = True, indexer_kl: bool = False, expert_load: bool = False) -> StepOutput:
+         rows_in_place: bool = True, indexer_kl: bool = False, expert_load: bool = False,
+         depth: jnp.ndarray | None = None) -> StepOutput:
     """Runs a chunk of T tokens per row through the model, row b at positions cache["pos"][b] ..
 
     input_ids int `[B, T]`. n_valid int32 `[B]` (default T): row b's real tokens, the first
@@ -484,13 +500,14 @@ def step(params: dict, cache: dict, input_ids: jnp.ndarray, cfg: ModelConfig, la
     chooses its own entries the indexer's training loss on the chunk (`indexer.distillation_kl`).
     With expert_load (static), `expert_load` `[L, E]` counts, per layer, the (token, expert)
     choices of the real tokens: what auxiliary-loss-free balancing steers by (training/trainer.py).
+    depth: run only the first depth layers (`run_layers`).
     """
     B, T = input_ids.shape
     x = params["embed"][input_ids]
     h = sharding.constrain(cfg, jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.hc_mult, cfg.hidden_size)),
                            (sharding.BATCH, None, None, None))
     hidden, new_cache, aux, load = run_layers(params, cache, h, input_ids, cfg, n_valid, measure_reuse,
-                                              rows_in_place, indexer_kl, expert_load)
+                                              rows_in_place, indexer_kl, expert_load, depth)
     h = hidden
     if last_only:
         last = jnp.clip(_rows_valid(n_valid, B, T) - 1, 0)

@@ -192,7 +192,8 @@ def _rows(state: DecodeState, at) -> DecodeState:
 
 
 @partial(jax.jit, static_argnums=(9,), donate_argnums=(2,))
-def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sample: Sampling, cfg: ModelConfig):
+def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sample: Sampling, cfg: ModelConfig,
+            depth=None):
     """A chunk ids `[R, T]` (n_valid `[R]` real tokens per row) into the state's rows `rows` (int
     `[R]`, run as one sub-batch; None: every row, in place), the rows with a `start` (int32 `[R]`;
     -1: go on where the row is) restarted at that position first: 0 for a new prompt, or a
@@ -200,14 +201,16 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
     With the MTP block `mtp` (speculation), its rows for the chunk run too, and a row whose prompt
     `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its last prompt
     position and the token sampled after it. A state with `logits` keeps those of the rows whose
-    prompt ends here (`fork` draws from them). Returns (each row's token sampled after its chunk,
-    Drawn `[R]`, the state)."""
+    prompt ends here (`fork` draws from them). depth (int32 scalar; None: all): the chunk runs the
+    first depth layers only, as many as its rows need (`cache.layers_to_run`). Returns (each row's
+    token sampled after its chunk, Drawn `[R]`, the state)."""
     whole = rows is None
     at = slice(None) if whole else rows
     restart = None if whole else start >= 0
     sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), restart, start)
     p0 = sub["pos"]
-    out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole)
+    out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole,
+               depth=depth)
     drawn = sample.draw(out.logits[:, 0], _rows(state, at))
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
     if state.logits is not None:

@@ -35,9 +35,11 @@ tokens up to their end (dsv4_jax/runtime/blocks.py), also after their request en
 request takes the longest cached prefix of its context (full blocks, up to its last token, which
 must run for its first token) and prefills from `recompute_span` tokens before the reuse point:
 those tokens run again to rebuild the window rings and compressor states there, their compressed
-entries read from the shared blocks (dsv4_jax/model/cache.py), then the rest of the prompt runs
-as usual. Its tokens are those it gets without the cache. The counters `prefix_cache_queries`
-and `prefix_cache_hits` count the admitted prompt tokens looked up and those found (vLLM's).
+entries read from the shared blocks (dsv4_jax/model/cache.py), each chunk of them through only the
+layers it needs (`layers_to_run`: the lowest layers first, every layer by the reuse point), then
+the rest of the prompt runs as usual. Its tokens are those it gets without the cache. The
+counters `prefix_cache_queries` and `prefix_cache_hits` count the admitted prompt tokens looked up
+and those found (vLLM's).
 
 Every shape is bucketed: the decode program is one, the fork one (`fork_rows` choices, padded),
 the prefill program one per (rows, chunk)
@@ -107,7 +109,7 @@ import numpy as np
 
 from dsv4_jax.model import sharding
 from dsv4_jax.model.cache import (block_bytes, blocks_per_row, cache_spec, check_block_size, check_kv_cache_dtype,
-                                  default_block_size, recompute_span)
+                                  default_block_size, layers_to_run, recompute_span)
 from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
@@ -665,9 +667,10 @@ class Engine:
                 # Back where it was preempted, its row draws the last token it had again, exactly: with
                 # speculation that token starts the MTP block's pending row, and its drafts, as before.
                 sample.controls.mask[i] = only_token(r.tokens[-1], self.cfg.vocab_size)
+        depth = max(layers_to_run(self.cfg, r.start, r.prefilled + n) for r, n in chosen)
         with self.model.on_mesh():
             drawn, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids, n_valid, start, ends,
-                                               sample, self.cfg)
+                                               sample, self.cfg, np.int32(depth))
         drawn = self._fetch(drawn, drawing.values())
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for r, n in chosen:
@@ -897,7 +900,7 @@ class Engine:
                 _, self.state = decode.prefill(
                     self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
                     rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
-                    np.zeros(R, bool), self._sampling({}, R), self.cfg)
+                    np.zeros(R, bool), self._sampling({}, R), self.cfg, np.int32(self.cfg.num_layers))
                 jax.block_until_ready(self.state)
                 report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
         return total
