@@ -1,8 +1,8 @@
 """The whole model: embedding, the layer stack, the hyper-connection head and the LM head.
 
-The stack is one loop over layers (a `lax.scan`; a while loop where a prefill chunk runs only the
-first layers, `run_layers`'s depth). The body dispatches with `lax.switch` on the layer's
-kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
+The stack is one `lax.scan` over layers (a while loop over the same body where a prefill chunk
+runs only the first layers: `run_layers`'s depth). The body dispatches with `lax.switch` on the
+layer's kind (window only, ratio 4, ratio 4 reusing the previous top-k under IndexCache, ratio 128);
 each kind's own weights and caches live in their own stacks (`params["csa"]`, `cache["hca"]`,
 ...) and a layer reaches them through its kind-local index, carried in the loop's xs, as it
 reaches the weights every layer has (`params["layers"]`) through its layer index (on CPU
@@ -425,18 +425,21 @@ def run_layers(params: dict, cache: dict, h: jnp.ndarray, input_ids: jnp.ndarray
           jnp.asarray(sched.route_local))
     k_index = min(cfg.index_topk, cache["blocks"].shape[1] * cache["csa"]["pool"].shape[2]) if "csa" in cache else 1
     last_ids = jnp.full((B, T, k_index), -1, jnp.int32)  # no top-k computed yet in this call
-    L = cfg.num_layers
+    layer = partial(_layer, ctx, sched, input_ids)
+    if depth is None:  # every layer: a scan (differentiable)
+        (h, stacks, _), (aux, load) = jax.lax.scan(layer, (h, stacks, last_ids), xs)
+    else:  # the first depth layers, a count known at run time: a while loop
+        L = cfg.num_layers
 
-    def layer(i, carry):
-        h, stacks, last_ids, aux, load = carry
-        (h, stacks, last_ids), (a, n) = _layer(ctx, sched, input_ids, (h, stacks, last_ids),
-                                               jax.tree.map(lambda x: x[i], xs))
-        return h, stacks, last_ids, aux.at[i].set(a), load.at[i].set(n)
+        def first(i, carry):
+            c, aux, load = carry
+            c, (a, n) = layer(c, jax.tree.map(lambda x: x[i], xs))
+            return c, aux.at[i].set(a), load.at[i].set(n)
 
-    # A static trip count makes this a scan (differentiable); a traced depth, a while loop.
-    aux, load = jnp.broadcast_to(_NO_AUX, (L, 4)), jnp.zeros((L, cfg.n_routed_experts if expert_load else 0), jnp.int32)
-    h, stacks, _, aux, load = jax.lax.fori_loop(0, L if depth is None else jnp.minimum(depth, L), layer,
-                                                (h, stacks, last_ids, aux, load))
+        E = cfg.n_routed_experts if expert_load else 0
+        (h, stacks, _), aux, load = jax.lax.fori_loop(
+            0, jnp.minimum(depth, L), first,
+            ((h, stacks, last_ids), jnp.broadcast_to(_NO_AUX, (L, 4)), jnp.zeros((L, E), jnp.int32)))
     moved = {"pos": chunk.p0 + chunk.n_valid}
     if "folded" in cache:
         lookahead = next(g["ring"].shape[2] for g in stacks.values() if "ring" in g) - cfg.sliding_window
