@@ -29,8 +29,8 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
-    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 / 4 x 16 / 32
-    assert eng.warmup() == 4 + 3 * 2
+    # decode (whole, in halves), penalty history, fork, block table rows 1 / 2 / 4, prefill rows 1 / 2 / 4 x 16 / 32
+    assert eng.warmup() == 4 + 3 + 3 * 2
     return eng
 
 
@@ -74,8 +74,8 @@ def test_warmup_runs_every_program_and_changes_no_state(model):
     engine's, leaf for leaf, and a request compiles nothing. (The `engine` fixture's sizes: the
     programs compiled here are those it warms up.)"""
     eng = Engine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK)
-    # decode (whole, in halves), penalty history, fork, prefill rows 1 / 2 / 4 x 16 / 32
-    assert eng.warmup(decode_runs=2) == 4 + 3 * 2
+    # decode (whole, in halves), penalty history, fork, block table rows 1 / 2 / 4, prefill rows 1 / 2 / 4 x 16 / 32
+    assert eng.warmup(decode_runs=2) == 4 + 3 + 3 * 2
     fresh = jax.tree.leaves(eng._new_state())
     after = jax.tree.leaves(eng.state)
     assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))

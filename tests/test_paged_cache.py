@@ -19,6 +19,7 @@ import hf_oracle as H  # noqa: E402
 from dsv4_jax.model.cache import (block_bytes, blocks_per_row, init_cache, pool_entries, pool_view,  # noqa: E402
                                   pool_write)
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
+from dsv4_jax.runtime import decode  # noqa: E402
 from dsv4_jax.runtime.blocks import BlockPool  # noqa: E402
 from dsv4_jax.runtime.engine import Engine  # noqa: E402
 
@@ -165,6 +166,35 @@ def test_preempted_requests_finish_as_alone(model, k):
     for i, (r, p) in enumerate(zip(reqs, prompts)):
         assert r.finish_reason == "length"
         assert r.tokens == _alone(model, p, 40, **(sampled if i == 1 else {})), i
+
+
+def test_a_step_sends_only_the_table_rows_given_blocks(model, monkeypatch):
+    """Four requests of 120 to 127 prompt tokens, each given its second block as its decoding
+    crosses position 128: the table goes to the device a few rows at a time (decode.set_table,
+    the rows padded to a power of two), each request's row once for its first blocks and once for
+    its second, and after every step each running request's device row holds its blocks and every
+    reuse point is the host's."""
+    sent = []
+    set_table = decode.set_table
+
+    def spy(state, rows, blocks, shared):
+        sent.append(np.asarray(rows))
+        return set_table(state, rows, blocks, shared)
+
+    monkeypatch.setattr(decode, "set_table", spy)
+    eng = Engine(model, slots=4, max_len=256, prefill_chunk=64)
+    rng = np.random.default_rng(8)
+    reqs = [eng.submit(rng.integers(0, CFG.vocab_size, n).tolist(), 12) for n in (120, 127, 124, 126)]
+    while eng.step():
+        table, shared = np.asarray(eng.state.cache["blocks"]), np.asarray(eng.state.cache["shared"])
+        for r in eng.running.values():
+            assert table[r.slot, :len(r.blocks)].tolist() == r.blocks
+        assert shared.tolist() == eng.shared.tolist()
+    assert all(r.finish_reason == "length" and len(r.blocks) == 0 for r in reqs)
+    real = [rows[rows < eng.slots] for rows in sent]
+    assert all(len(rows) == min(1 << (len(r) - 1).bit_length(), eng.slots) for rows, r in zip(sent, real))
+    assert sorted(np.concatenate(real).tolist()) == sorted(list(range(4)) * 2)  # every row at first, then each once
+    assert len(sent) > 2 and all(len(r) < eng.slots for r in real[1:])
 
 
 def test_admission_waits_for_blocks(model):

@@ -6,7 +6,7 @@ Greedy parity: a request's tokens must be those `dsv4_jax.generate` gives for it
 (fp32; engine and generate both cut prompts at 16-token chunks). The API returns text, so the
 check is the text of generate's tokens (decoded at once, special tokens skipped) and their count
 (`usage.completion_tokens`). One server for the module (2 slots, 128 tokens, 16-token chunks:
-warm-up compiles 5 programs)."""
+warm-up compiles 8 programs)."""
 
 import asyncio
 import json
@@ -121,9 +121,10 @@ def live(setup):
     args = serve.parse_args(["--ckpt", str(setup["ckpt"]), *FLAGS])
     logs = []
     service = serve.load_service(args, log=logs.append)
-    # decode (whole, in two halves), penalty history, the fork of n > 1 choices, and prefill at 1 / 2 rows x 16 tokens
-    assert any(m.startswith("warm-up compiled 6 programs and ran them") for m in logs), logs
-    assert any(m.startswith("warm-up: 6/6 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
+    # decode (whole, in two halves), penalty history, the fork of n > 1 choices, the block table's update of 1 / 2
+    # rows, and prefill at 1 / 2 rows x 16 tokens
+    assert any(m.startswith("warm-up compiled 8 programs and ran them") for m in logs), logs
+    assert any(m.startswith("warm-up: 8/8 prefill (2 rows x 16 tokens): compiled, run") for m in logs), logs
     with serving(service, args) as port:
         yield Live(service, port)
     assert not service.engine.alive()  # the lifespan stopped the engine

@@ -498,7 +498,7 @@ def _stream(url, max_tokens, out):
 
 
 def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
-    """First start: warm-up says per program that it compiled it, and that it compiled all 4; a
+    """First start: warm-up says per program that it compiled it, and that it compiled them all; a
     second start with the same compilation cache says it loaded them. Then SIGTERM with a short
     stream, a long one and a long non-streaming request in flight, a request whose body is half
     sent and an idle keep-alive connection: the half-sent and idle connections close at once, the
@@ -509,15 +509,18 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
     try:
         warm = _warmup_lines(lines)
         assert warm[0].endswith("compiling and running every program before the port opens (--no-warmup skips it)")
-        assert [re.sub(r" \([\d.]+s\)$", "", w) for w in warm[1:8]] == [  # 3 slots: prefill of 3 rows too
-            "dsv4-serve: warm-up: 1/7 decode step (3 slots): compiled, run",
-            "dsv4-serve: warm-up: 2/7 decode step in two halves (constrained requests): compiled, run",
-            "dsv4-serve: warm-up: 3/7 penalty history: compiled, run",
-            "dsv4-serve: warm-up: 4/7 fork (up to 2 choices): compiled, run",
-            "dsv4-serve: warm-up: 5/7 prefill (1 row x 16 tokens): compiled, run",
-            "dsv4-serve: warm-up: 6/7 prefill (2 rows x 16 tokens): compiled, run",
-            "dsv4-serve: warm-up: 7/7 prefill (3 rows x 16 tokens): compiled, run"], warm
-        assert re.fullmatch(r"dsv4-serve: warm-up compiled 7 programs and ran them in [\d.]+s", warm[8]), warm
+        assert [re.sub(r" \([\d.]+s\)$", "", w) for w in warm[1:11]] == [  # 3 slots: 3 rows too
+            "dsv4-serve: warm-up: 1/10 decode step (3 slots): compiled, run",
+            "dsv4-serve: warm-up: 2/10 decode step in two halves (constrained requests): compiled, run",
+            "dsv4-serve: warm-up: 3/10 penalty history: compiled, run",
+            "dsv4-serve: warm-up: 4/10 fork (up to 2 choices): compiled, run",
+            "dsv4-serve: warm-up: 5/10 block table (1 row): compiled, run",
+            "dsv4-serve: warm-up: 6/10 block table (2 rows): compiled, run",
+            "dsv4-serve: warm-up: 7/10 block table (3 rows): compiled, run",
+            "dsv4-serve: warm-up: 8/10 prefill (1 row x 16 tokens): compiled, run",
+            "dsv4-serve: warm-up: 9/10 prefill (2 rows x 16 tokens): compiled, run",
+            "dsv4-serve: warm-up: 10/10 prefill (3 rows x 16 tokens): compiled, run"], warm
+        assert re.fullmatch(r"dsv4-serve: warm-up compiled 10 programs and ran them in [\d.]+s", warm[11]), warm
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -526,9 +529,9 @@ def test_warmup_progress_and_sigterm_with_requests_in_flight(ckpt, tmp_path):
     proc, url, lines = _start(ckpt, cache)
     try:
         warm = _warmup_lines(lines)
-        assert all("loaded from the compilation cache, run" in w for w in warm[1:8]), warm
-        assert re.fullmatch(r"dsv4-serve: warm-up loaded 7 programs from the compilation cache and ran them in "
-                            r"[\d.]+s", warm[8]), warm
+        assert all("loaded from the compilation cache, run" in w for w in warm[1:11]), warm
+        assert re.fullmatch(r"dsv4-serve: warm-up loaded 10 programs from the compilation cache and ran them in "
+                            r"[\d.]+s", warm[11]), warm
         port = int(url.rsplit(":", 1)[1])
         short, long_, whole = [], [], []
         threads = [threading.Thread(target=_stream, args=(url, n, out)) for n, out in ((40, short), (2000, long_))]

@@ -180,7 +180,7 @@ def test_engine_warmup_with_speculation_changes_no_state(model, prompts, alone_i
     from dsv4_jax.runtime.engine import Engine
 
     eng = Engine(model, slots=1, max_len=64, prefill_chunk=16, speculative_tokens=2)
-    assert eng.warmup(decode_runs=2) == 3
+    assert eng.warmup(decode_runs=2) == 4  # verification, penalty history, block table, prefill
     fresh, after = jax.tree.leaves(eng._new_state()), jax.tree.leaves(eng.state)
     assert len(after) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(after, fresh))
     r = eng.submit(prompts[1][:20], 6)

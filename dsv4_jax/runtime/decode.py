@@ -13,6 +13,7 @@ own position (dsv4_jax/model/cache.py). The programs:
 - `verify`: one draft-then-verify round for every active row (dsv4_jax/runtime/speculative.py);
   1 to k + 1 tokens each.
 - `set_history`: a row's penalty history (its prompt's tokens, the counts of those it drew).
+- `set_table`: some rows' block tables and reuse points (the rows given blocks since the last).
 - `fork`: a row whose prompt was just prefilled copied into other rows, each drawing its own first
   token from the prompt's logits (the choices of an `n` > 1 request: one prefill, n decodes).
 The four token programs return `Drawn`: the tokens and, when a row asks, their log-probabilities.
@@ -151,6 +152,17 @@ def set_history(state: DecodeState, row, prompt, counts) -> DecodeState:
     it has fed back (int32 `[V]`: zeros for a new request, its tokens but the last after a
     preemption)."""
     return state._replace(prompt=state.prompt.at[row].set(prompt), counts=state.counts.at[row].set(counts))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def set_table(state: DecodeState, rows, blocks, shared) -> DecodeState:
+    """Rows `rows` (int32 `[n]`; a row past the last: padding, not written) of the paged cache's
+    block table set to `blocks` (int32 `[n, blocks per row]`) and their reuse points to `shared`
+    (int32 `[n]`), in place: a step sends the rows that changed, not the table, which grows with
+    max_len."""
+    c = state.cache
+    return state._replace(cache={**c, "blocks": c["blocks"].at[rows].set(blocks, mode="drop"),
+                                 "shared": c["shared"].at[rows].set(shared, mode="drop")})
 
 
 def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,

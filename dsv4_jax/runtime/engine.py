@@ -288,7 +288,9 @@ class Engine:
         # The most choices one fork program starts: the other slots of the parent's device.
         self.fork_rows = 0 if deterministic else self.pool.rows_per_shard - 1
         self.recompute = recompute_span(cfg, lookahead_layers=1 if self.k else 0)
-        self._table_changed = False
+        # The slots whose table rows or reuse points the device has yet to get (`_upload_table`):
+        # every row at first, as the device's table starts otherwise.
+        self._changed_rows = set(range(self.slots)) if self.paged else set()
         # The decode step's sampling controls on the devices, and the (slot, request id) pairs they
         # are for (`_decode_sampling`).
         self._controls: tuple[tuple, decode.Sampling] | None = None
@@ -444,7 +446,7 @@ class Engine:
         if self.paged:
             self.table[slot, :len(req.blocks)] = req.blocks
             self.shared[slot] = reuse
-            self._table_changed = True
+            self._changed_rows.add(slot)
         if self.prefix_caching:
             self.counters["prefix_cache_queries"] += len(context)
             self.counters["prefix_cache_hits"] += reuse
@@ -556,7 +558,7 @@ class Engine:
             return False
         req.blocks += got
         self.table[slot, :len(req.blocks)] = req.blocks
-        self._table_changed = True
+        self._changed_rows.add(slot)
         return True
 
     def _make_room(self, generating: list[EngineRequest]) -> list[EngineRequest]:
@@ -594,14 +596,20 @@ class Engine:
             self.free.sort()
 
     def _upload_table(self) -> None:
-        """The block table and the reuse points into the device state, when a request was given
-        blocks."""
-        if self._table_changed:
-            self._table_changed = False
-            c = self.state.cache  # the shardings kept, so no program compiles again
-            cache = {**c, "blocks": jax.device_put(self.table, c["blocks"].sharding),
-                     "shared": jax.device_put(self.shared, c["shared"].sharding)}
-            self.state = self.state._replace(cache=cache)
+        """The table rows and reuse points of the slots given blocks since the last call into the
+        device state (decode.set_table), their number padded to a power of two (or the slots)."""
+        if not self._changed_rows:
+            return
+        rows = np.full(self._table_rows(len(self._changed_rows)), self.slots, np.int32)  # padding: dropped
+        rows[:len(self._changed_rows)] = sorted(self._changed_rows)
+        self._changed_rows.clear()
+        at = np.minimum(rows, self.slots - 1)
+        with self.model.on_mesh():
+            self.state = decode.set_table(self.state, rows, self.table[at], self.shared[at])
+
+    def _table_rows(self, n: int) -> int:
+        """The rows `decode.set_table` takes for n changed ones: one program per power of two."""
+        return min(1 << (n - 1).bit_length(), self.slots)
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
@@ -849,8 +857,8 @@ class Engine:
             self.step()
 
     def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
-        """Compiles every program the engine can run (the decode step, the fork, and the prefill
-        for every rows x chunk bucket) and runs each on random token ids in rows that hold (no
+        """Compiles every program the engine can run (the decode step, the fork, the block table's
+        updates, and the prefill for every rows x chunk bucket) and runs each on random token ids in rows that hold (no
         token counts, so nothing in the cache changes; a fork of padding only; the decode step
         `decode_runs` times, each with other ids); returns how many programs it compiled.
         `progress(i, n, name)` is called as the i-th of the n programs is ready. Running them
@@ -883,12 +891,22 @@ class Engine:
             with self.model.on_mesh():
                 _, self.state = decode.fork(self.state, *self._no_forks(), self._sampling({}, self.fork_rows))
 
+        def table_rows(n: int):  # every row padding
+            def run():
+                with self.model.on_mesh():
+                    self.state = decode.set_table(self.state, np.full(n, S, np.int32),
+                                                  np.zeros((n, self.table.shape[1]), np.int32), np.zeros(n, np.int32))
+            return run
+
         programs = [(f"decode step ({S} slots)", decode_steps)]
         if not self.k:
             programs.append(("decode step in two halves (constrained requests)", two_halves))
         programs.append(("penalty history", penalty_history))
         if self.fork_rows:
             programs.append((f"fork (up to {self.fork_rows} choices)", no_fork))
+        if self.paged:
+            for n in sorted({self._table_rows(1 << i) for i in powers}):
+                programs.append((f"block table ({n} row{'s' * (n > 1)})", table_rows(n)))
         total = len(programs) + len(rows) * len(chunks)
         report = progress or (lambda *_: None)
         for i, (name, run) in enumerate(programs, 1):
