@@ -42,9 +42,10 @@ counters `prefix_cache_queries` and `prefix_cache_hits` count the admitted promp
 and those found (vLLM's).
 
 Every shape is bucketed: the decode program is one, the fork one (`fork_rows` choices, padded),
-the prefill program one per (rows, chunk)
-pair of powers of two (rows up to the slots, chunk from 16 up to prefill_chunk), so after
-`warmup()` (which also runs each program once) nothing compiles, whatever the requests. A
+the block table's update one per power of two of rows (up to the slots), the prefill program one
+per (rows, chunk) pair of powers of two (rows up to the slots, chunk from 16 up to
+prefill_chunk), so after `warmup()` (which also runs each program once) nothing compiles,
+whatever the requests. A
 prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
 are those `generate` gives for its prompt alone (after a prefix-cache hit its chunks start at its
 recomputed span instead: the same values to fp32 rounding, tests/test_prefix_cache.py).
@@ -858,11 +859,12 @@ class Engine:
 
     def warmup(self, decode_runs: int = 4, progress: Callable[[int, int, str], None] | None = None) -> int:
         """Compiles every program the engine can run (the decode step, the fork, the block table's
-        updates, and the prefill for every rows x chunk bucket) and runs each on random token ids in rows that hold (no
-        token counts, so nothing in the cache changes; a fork of padding only; the decode step
-        `decode_runs` times, each with other ids); returns how many programs it compiled.
-        `progress(i, n, name)` is called as the i-th of the n programs is ready. Running them
-        matters on CPU: there the experts are branches of a switch
+        updates, and the prefill for every rows x chunk bucket) and runs each on random token ids
+        in rows that hold (no token counts, so nothing in the cache changes; a fork of padding
+        only; a table update of padding rows only; the decode step `decode_runs` times, each with
+        other ids); returns how many programs it compiled. `progress(i, n, name)` is called as the
+        i-th of the n programs is ready. Running them matters on CPU: there the experts are
+        branches of a switch
         (dsv4_jax/model/layer_weights.py), and a program's first run through a branch is slow, a
         cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
         # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
