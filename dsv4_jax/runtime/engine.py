@@ -601,15 +601,16 @@ class Engine:
         device state (decode.set_table), their number padded to a power of two (or the slots)."""
         if not self._changed_rows:
             return
-        rows = np.full(self._table_rows(len(self._changed_rows)), self.slots, np.int32)  # padding: dropped
+        rows = np.full(self._rows_bucket(len(self._changed_rows)), self.slots, np.int32)  # padding: dropped
         rows[:len(self._changed_rows)] = sorted(self._changed_rows)
         self._changed_rows.clear()
         at = np.minimum(rows, self.slots - 1)
         with self.model.on_mesh():
             self.state = decode.set_table(self.state, rows, self.table[at], self.shared[at])
 
-    def _table_rows(self, n: int) -> int:
-        """The rows `decode.set_table` takes for n changed ones: one program per power of two."""
+    def _rows_bucket(self, n: int) -> int:
+        """The rows a program over n of the slots takes (`decode.set_table`'s, `_prefill`'s before
+        the mesh rounds them): a power of two, at most the slots."""
         return min(1 << (n - 1).bit_length(), self.slots)
 
     def _drop_cancelled(self) -> None:
@@ -655,7 +656,7 @@ class Engine:
                 r.constraint.fill(s.controls.mask[i])
 
     def _prefill(self, chosen: list[tuple[EngineRequest, int]]) -> None:
-        R = self.model.batch_rows(min(1 << (len(chosen) - 1).bit_length(), self.slots))
+        R = self.model.batch_rows(self._rows_bucket(len(chosen)))
         T = chunk_bucket(max(n for _, n in chosen), self.prefill_chunk)
         reqs = [r for r, _ in chosen]
         used = {r.slot for r in reqs}
@@ -869,7 +870,7 @@ class Engine:
         cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
         # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
         powers = range((self.slots - 1).bit_length() + 1)
-        rows = sorted({self.model.batch_rows(min(1 << i, self.slots)) for i in powers})
+        rows = sorted({self.model.batch_rows(self._rows_bucket(1 << i)) for i in powers})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V = self.slots, self.cfg.vocab_size
         if self.deterministic:  # no prefill program runs
@@ -907,7 +908,7 @@ class Engine:
         if self.fork_rows:
             programs.append((f"fork (up to {self.fork_rows} choices)", no_fork))
         if self.paged:
-            for n in sorted({self._table_rows(1 << i) for i in powers}):
+            for n in sorted({self._rows_bucket(1 << i) for i in powers}):
                 programs.append((f"block table ({n} row{'s' * (n > 1)})", table_rows(n)))
         total = len(programs) + len(rows) * len(chunks)
         report = progress or (lambda *_: None)
