@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import dsv4_jax
 import hf_oracle as H
 from dsv4_jax.tools import aot
-from dsv4_jax.model.cache import cache_spec
+from dsv4_jax.model.cache import blocks_per_row, cache_spec, default_block_size
 from dsv4_jax.model.deepseek_v4 import step
 from dsv4_jax.model.params import leaf_dtype, map_spec, param_spec
 
@@ -45,7 +45,9 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     cfg = dsv4_jax.ModelConfig.from_hf(H.FLASH_SHAPED).replace(attention_impl="pallas")
     params = map_spec(lambda path, leaf: jax.ShapeDtypeStruct(leaf[0], leaf_dtype(leaf[1], jnp.bfloat16)),
                       param_spec(cfg))
-    cache = _abstract(cache_spec(cfg, BATCH, MAX_LEN, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype))
+    # pools of more blocks than the rows' tables name, as the engine's are
+    blocks = 2 * BATCH * blocks_per_row(MAX_LEN, default_block_size(cfg)) + 1
+    cache = _abstract(cache_spec(cfg, BATCH, MAX_LEN, jnp.bfloat16, num_blocks=blocks, kv_cache_dtype=kv_cache_dtype))
     ids = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
     jitted = jax.jit(step, static_argnums=(3, 4), donate_argnums=(1,))
     result = aot.compile_for(target, jitted, params, cache, ids, cfg, True)
@@ -70,6 +72,14 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
         shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", text)]
         nope_values = [sh for sh in shapes if sh[-1] == nope or sh[-2:] == [nope // 64, 64]]
         assert nope_values and all(sh[1] <= tokens for sh in nope_values), nope_values
+    if tokens == 1:
+        # Decode gathers the rows it reads straight from the stacks of layers' pools
+        # (cache.pool_view / pool_entries): no instruction holds one layer's whole pool, which a
+        # layer sliced out of its stack first becomes (XLA copied it on TPU in every step).
+        for group in ("csa", "indexer"):
+            layers, *pool = cache[group]["pool"].shape
+            assert layers == 2
+            assert not _layer_sized(result.compiled.as_text(), ",".join(map(str, pool))), group
     # The cache is donated and comes back in place; logits [B, 1, V] fp32 (last_only).
     assert result.memory["alias_bytes"] > 0
     logits = result.compiled.out_info.logits
@@ -132,27 +142,38 @@ def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str
     return shapes
 
 
-def _copies(text: str, shapes: set[tuple[str, str]]) -> list[str]:
-    """The instructions of a compiled program, outside fusion bodies, whose result has one of
-    `shapes` as its dtype and trailing dims (with any leading ones) and that are not kernels,
-    parameters or plumbing: copies or re-layouts of those weights. (An asynchronous copy into
-    a TPU core's own memory, S(1), is the prefetch of what a kernel reads, not a copy in HBM.)"""
+def _unfused(text: str) -> list[str]:
+    """The instruction lines of a compiled program outside fusion bodies that do something: not
+    kernels, parameters or plumbing."""
     from dsv4_jax.tools.plan import _Module
 
     mod = _Module(text)
-    fused = {c for body in mod.comps.values() for line in body for c in re.findall(r"kind=k\w+, calls=%([\w.\-]+)", line)}
+    fused = {c for body in mod.comps.values() for line in body
+             for c in re.findall(r"kind=k\w+, calls=%([\w.\-]+)", line)}
+    return [line for name, body in mod.comps.items() if name not in fused for line in body[1:]
+            if re.match(r"\s+(?:ROOT )?%\S+ = ", line) and not any(op in line for op in _NO_COPY)]
+
+
+def _copies(text: str, shapes: set[tuple[str, str]]) -> list[str]:
+    """The instructions of a compiled program (`_unfused`) whose result has one of `shapes` as its
+    dtype and trailing dims (with any leading ones): copies or re-layouts of those weights. (An
+    asynchronous copy into a TPU core's own memory, S(1), is the prefetch of what a kernel reads,
+    not a copy in HBM.)"""
     found = []
-    for name, body in mod.comps.items():
-        if name in fused:
+    for line in _unfused(text):
+        result = re.match(r"\s+(?:ROOT )?%\S+ = (\S+) ", line).group(1)
+        if " copy-" in line and "S(1)" in result:
             continue
-        for line in body[1:]:
-            m = re.match(r"\s+(?:ROOT )?%\S+ = (\S+) ", line)
-            if not m or any(op in line for op in _NO_COPY) or (" copy-" in line and "S(1)" in m.group(1)):
-                continue
-            arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-            if any(dtype == d and ("," + dims).endswith("," + w) for dtype, dims in arrays for d, w in shapes):
-                found.append(line.strip()[:200])
+        arrays = re.findall(r"(\w+)\[([\d,]*)\]", result)
+        if any(dtype == d and ("," + dims).endswith("," + w) for dtype, dims in arrays for d, w in shapes):
+            found.append(line.strip()[:200])
     return found
+
+
+def _layer_sized(text: str, dims: str) -> list[str]:
+    """The instructions of a compiled program (`_unfused`) whose result is `[dims]` or `[1, dims]`."""
+    pattern = re.compile(rf"^\s+(?:ROOT )?%\S+ = \w+\[(?:1,)?{dims}\]")
+    return [line.strip()[:200] for line in _unfused(text) if pattern.match(line)]
 
 
 @pytest.mark.parametrize("target,layout,tokens", [("v5p-8", "dp_attention", 1), ("v5p-8", "tp_attention", 1),

@@ -30,16 +30,17 @@ def test_pool_reads_and_writes_follow_the_table():
     rng = np.random.default_rng(0)
     NB, E, d, B, nb = 7, 4, 3, 2, 3
     pool = rng.standard_normal((NB, E, d)).astype(np.float32)
+    pools = np.stack([pool, pool + 100])  # two layers' pools
     table = np.array([[5, 0, 3], [2, 6, 1]], np.int32)
-    view = np.asarray(pool_view(jnp.asarray(pool), jnp.asarray(table)))
-    for b in range(B):
-        for e in range(nb * E):
-            np.testing.assert_array_equal(view[b, e], pool[table[b, e // E], e % E])
-    ids = rng.integers(0, nb * E, (B, 2, 5))
-    got = np.asarray(pool_entries(jnp.asarray(pool), jnp.asarray(table), jnp.asarray(ids)))
-    np.testing.assert_array_equal(got, view[np.arange(B)[:, None, None], ids])
+    for layer in (0, 1):
+        view = np.asarray(pool_view(jnp.asarray(pools), jnp.int32(layer), jnp.asarray(table)))
+        for b in range(B):
+            for e in range(nb * E):
+                np.testing.assert_array_equal(view[b, e], pools[layer, table[b, e // E], e % E])
+        ids = rng.integers(0, nb * E, (B, 2, 5))
+        got = np.asarray(pool_entries(jnp.asarray(pools), jnp.int32(layer), jnp.asarray(table), jnp.asarray(ids)))
+        np.testing.assert_array_equal(got, view[np.arange(B)[:, None, None], ids])
     # writes: entries 1 and 9 of row 0, 11 of row 1; -1 and nb * E are dropped
-    pools = np.stack([pool, pool + 100])
     at = np.array([[1, 9, -1], [11, nb * E, -1]], np.int32)
     values = rng.standard_normal((B, 3, d)).astype(np.float32)
     out = np.asarray(pool_write(jnp.asarray(pools), 1, jnp.asarray(table), jnp.asarray(at), jnp.asarray(values)))
@@ -57,13 +58,14 @@ def test_grouped_pool_access_equals_the_plain_one():
     rng = np.random.default_rng(1)
     NB, E, d, nb = 8, 2, 3, 2
     pool = jnp.asarray(rng.standard_normal((NB, E, d)), jnp.float32)
+    pools = jnp.stack([pool, -pool])
     table = jnp.asarray([[3, 0], [1, 2], [6, 5], [4, 7]], jnp.int32)  # rows 0-1 in blocks 0-3, rows 2-3 in 4-7
-    np.testing.assert_array_equal(pool_view(pool, table, 2), pool_view(pool, table))
     ids = jnp.asarray(rng.integers(0, nb * E, (4, 3)), jnp.int32)
-    np.testing.assert_array_equal(pool_entries(pool, table, ids, 2), pool_entries(pool, table, ids))
+    for layer in (jnp.int32(0), jnp.int32(1)):
+        np.testing.assert_array_equal(pool_view(pools, layer, table, 2), pool_view(pools, layer, table))
+        np.testing.assert_array_equal(pool_entries(pools, layer, table, ids, 2), pool_entries(pools, layer, table, ids))
     at = jnp.asarray([[0, 3], [2, -1], [1, nb * E], [3, 0]], jnp.int32)
     values = jnp.asarray(rng.standard_normal((4, 2, d)), jnp.float32)
-    pools = jnp.stack([pool, -pool])
     np.testing.assert_array_equal(pool_write(pools, 0, table, at, values, 2), pool_write(pools, 0, table, at, values))
 
 

@@ -163,6 +163,32 @@ def test_cost_counts_every_loop_trip(target):
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h100x1"])
+def test_cost_counts_the_rows_a_gather_reads(target, monkeypatch):
+    """program_cost on a scan that gathers 64 rows a layer out of a 42 MB stack of 10 layers' rows
+    (as the decode step reads its cache pools): bytes under 4x the rows gathered (read, written,
+    read by the sum; TPU pads them to its tiles), where XLA's analysis of a GPU program,
+    uncorrected, counts the whole stack every layer (of a TPU one, the rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(stack, ids, x):
+        def body(x, i):
+            return x + jnp.sum(stack[i, ids[i]].astype(jnp.float32), axis=0), None
+
+        return jax.lax.scan(body, x, jnp.arange(10))[0]
+
+    args = (jax.ShapeDtypeStruct((10, 4096, 512), jnp.bfloat16), jax.ShapeDtypeStruct((10, 64), jnp.int32),
+            jax.ShapeDtypeStruct((512,), jnp.float32))
+    text = aot.compile_for(target, jax.jit(f), *args).compiled.as_text()
+    platform = aot.target(target).platform
+    rows, stack = 10 * 64 * 512 * 2, 10 * 4096 * 512 * 2
+    assert rows <= plan.program_cost(text, 0, None, platform)["bytes_accessed"] < 4 * rows
+    if platform == "cuda":
+        monkeypatch.setattr(plan, "_gather_overcount", lambda mod, line: 0.0)
+        assert plan.program_cost(text, 0, None, platform)["bytes_accessed"] > 10 * stack
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "h100x1"])
 def test_cost_counts_kernels_by_their_declared_cost(target):
     """A Pallas kernel counts as its declared pl.CostEstimate (TPU: from its backend config; GPU:
     from its op_name, where jax's lowering drops it); a grouped matmul under moe.ROUTED_SCOPE

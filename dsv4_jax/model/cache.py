@@ -264,39 +264,44 @@ def fork_rows(cache: dict, src: jnp.ndarray, dst: jnp.ndarray, src_block: jnp.nd
     return jax.tree_util.tree_map_with_path(copy, cache)
 
 
-def _by_group(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int, axis: int = 0):
-    """pool's block axis `axis` and the rows of blocks `[B, nb]` cut into `groups` equal groups,
-    the table's ids made local to their group: row group g holds its blocks in block group g (as
-    the engine and init_cache hand them out), so on a mesh that splits both the same way each
-    device reads and writes only its own blocks."""
-    NB = pool.shape[axis]
-    grouped = pool.reshape(pool.shape[:axis] + (groups, NB // groups) + pool.shape[axis + 1:])
+def _by_group(pools: jnp.ndarray, blocks: jnp.ndarray, groups: int):
+    """The block axis of pools `[n, NB, ...]` and the rows of blocks `[B, nb]` cut into `groups`
+    equal groups, the table's ids made local to their group: row group g holds its blocks in
+    block group g (as the engine and init_cache hand them out), so on a mesh that splits both the
+    same way each device reads and writes only its own blocks."""
+    NB = pools.shape[1]
+    grouped = pools.reshape(pools.shape[:1] + (groups, NB // groups) + pools.shape[2:])
     return grouped, (blocks % (NB // groups)).reshape(groups, -1, blocks.shape[1])
 
 
-def pool_view(pool: jnp.ndarray, blocks: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
-    """Every row's entries in order: pool `[NB, E, d]` read through the table blocks `[B, nb]` ->
-    `[B, nb * E, d]` (entry e of row b at index e). groups: see `_by_group`."""
+def pool_view(pools: jnp.ndarray, layer, blocks: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
+    """Every row's entries in order: layer `layer` of pools `[n, NB, E, d]` read through the table
+    blocks `[B, nb]` -> `[B, nb * E, d]` (entry e of row b at index e). groups: see `_by_group`.
+
+    The reads here and in `pool_entries` index the stack itself, as `pool_write` does: a layer
+    sliced out of it first is a copy of that layer's whole pool (XLA made one on TPU in every
+    decode step, before gathering the few rows it needed)."""
     B, nb = blocks.shape
+    E, d = pools.shape[2:]
     if groups == 1:
-        return pool[blocks].reshape(B, nb * pool.shape[1], pool.shape[2])
-    p, t = _by_group(pool, blocks, groups)
-    return jax.vmap(lambda p, t: p[t])(p, t).reshape(B, nb * pool.shape[1], pool.shape[2])
+        return pools[layer, blocks].reshape(B, nb * E, d)
+    p, t = _by_group(pools, blocks, groups)
+    return jax.vmap(lambda p, t: p[layer, t], in_axes=(1, 0))(p, t).reshape(B, nb * E, d)
 
 
-def _read(pool: jnp.ndarray, blocks: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
-    E = pool.shape[1]
+def _read(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
+    E = pools.shape[2]
     block = jnp.take_along_axis(blocks, (ids // E).reshape(ids.shape[0], -1), axis=1).reshape(ids.shape)
-    return pool[block, ids % E]
+    return pools[layer, block, ids % E]
 
 
-def pool_entries(pool: jnp.ndarray, blocks: jnp.ndarray, ids: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
-    """The entries ids (int `[B, ...]`, in range) of each row, from pool `[NB, E, d]` through the
-    table blocks `[B, nb]` -> `[B, ..., d]`. groups: see `_by_group`."""
+def pool_entries(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray, groups: int = 1) -> jnp.ndarray:
+    """The entries ids (int `[B, ...]`, in range) of each row, from layer `layer` of pools
+    `[n, NB, E, d]` through the table blocks `[B, nb]` -> `[B, ..., d]`. groups: see `_by_group`."""
     if groups == 1:
-        return _read(pool, blocks, ids)
-    p, t = _by_group(pool, blocks, groups)
-    out = jax.vmap(_read)(p, t, ids.reshape((groups, -1) + ids.shape[1:]))
+        return _read(pools, layer, blocks, ids)
+    p, t = _by_group(pools, blocks, groups)
+    out = jax.vmap(_read, in_axes=(1, None, 0, 0))(p, layer, t, ids.reshape((groups, -1) + ids.shape[1:]))
     return out.reshape((-1,) + out.shape[2:])
 
 
@@ -315,7 +320,7 @@ def pool_write(pools: jnp.ndarray, layer, blocks: jnp.ndarray, ids: jnp.ndarray,
     `_by_group`."""
     if groups == 1:  # the plain scatter: in place in the donated cache (no copy of the stack)
         return _write(pools, layer, blocks, ids, values)
-    p, t = _by_group(pools, blocks, groups, axis=1)
+    p, t = _by_group(pools, blocks, groups)
     ids, values = (a.reshape((groups, -1) + a.shape[1:]) for a in (ids, values))
     return jax.vmap(_write, in_axes=(1, None, 0, 0, 0), out_axes=1)(p, layer, t, ids, values).reshape(pools.shape)
 

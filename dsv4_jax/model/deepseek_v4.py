@@ -196,8 +196,8 @@ def _stored(entries: jnp.ndarray, pool: jnp.ndarray, rope: int) -> jnp.ndarray:
     return kv_record.to_words(kv_record.encode(entries, rope))
 
 
-def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int) -> jnp.ndarray:
-    """A chunk's new entries as pool `[NB, E, .]` stores them, `[B, n, .]` (row b's i-th is entry
+def _pinned(entries: jnp.ndarray, pools: jnp.ndarray, layer, ch: _Chunk, ratio: int) -> jnp.ndarray:
+    """A chunk's new entries as layer `layer` of pools `[n, NB, E, .]` stores them, `[B, n, .]` (row b's i-th is entry
     p0[b] // ratio + i), those before the row's shared position taken from its shared blocks instead: a row
     restarted inside a cached prefix computes them from don't-cares (cache.py), and its later
     positions must read the entries the prefix really has; in a prefill chunk, or one token a
@@ -205,9 +205,9 @@ def _pinned(entries: jnp.ndarray, pool: jnp.ndarray, ch: _Chunk, ratio: int) -> 
     if entries.shape[1] == 0:
         return entries
     ids = ch.p0[:, None] // ratio + jnp.arange(entries.shape[1], dtype=jnp.int32)
-    held = jnp.clip(ids, 0, ch.blocks.shape[1] * pool.shape[1] - 1)
-    return jnp.where((ids < ch.shared[:, None] // ratio)[..., None], pool_entries(pool, ch.blocks, held, ch.groups),
-                     entries)
+    held = jnp.clip(ids, 0, ch.blocks.shape[1] * pools.shape[2] - 1)
+    return jnp.where((ids < ch.shared[:, None] // ratio)[..., None],
+                     pool_entries(pools, layer, ch.blocks, held, ch.groups), entries)
 
 
 def _state_payload(w: attention.StateWrites) -> dict:
@@ -225,7 +225,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         own["compressor"], lay.x, c["state_a"], c["state_z"], ch.p0, CSA, ch.compress_freqs, cfg, n_valid=ch.n_valid,
         folded=ch.folded)
     rope = cfg.rope_head_dim
-    entries = _pinned(_stored(entries, c["pool"], rope), c["pool"], ch, CSA)
+    pools = caches["csa"]["pool"]  # read as the stack (cache.pool_view)
+    entries = _pinned(_stored(entries, pools, rope), pools, lay.local, ch, CSA)
     ring, kv = c["ring"], _stored(lay.kv, c["ring"], rope)
     out = {"csa": {"kv": kv, "entries": entries, "n_new": n_new, **_state_payload(state)}}
     measures, kl = _NO_AUX[:3], jnp.float32(jnp.nan)
@@ -240,37 +241,38 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
         keys, n_keys, state = attention.compress_chunk(
             own["indexer"]["compressor"], x, ci["state_a"], ci["state_z"], ch.p0, CSA, ch.compress_freqs, cfg,
             n_valid=ch.n_valid, folded=ch.folded)
-        stored = _pinned(_stored(keys, ci["pool"], 0), ci["pool"], ch, CSA)
+        key_pools = caches["indexer"]["pool"]
+        stored = _pinned(_stored(keys, key_pools, 0), key_pools, lay.index_local, ch, CSA)
         payload = {"entries": stored, "n_new": n_keys, **_state_payload(state)}
-        return kv_record.read(stored, *_key_dims(cfg), keys.dtype), payload, ci["pool"]
+        return kv_record.read(stored, *_key_dims(cfg), keys.dtype), payload
 
-    def own_choice(keys, key_pool):
+    def own_choice(keys):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
-        pool = kv_record.read(pool_view(key_pool, ch.blocks, ch.groups), *_key_dims(cfg), keys.dtype)
+        pool = kv_record.read(pool_view(caches["indexer"]["pool"], lay.index_local, ch.blocks, ch.groups),
+                              *_key_dims(cfg), keys.dtype)
         scores = attention.indexer_logits(own["indexer"], x, c_q, lay.cos, lay.sin, pool, keys, ch.p0, cfg)
         return scores, attention.indexer_select(scores, ch.p0, pool.shape[1], cfg)
 
     first = ch.p0 // CSA
     ordered = None  # every entry in entry order, as stored `[B, P + n, .]`: a prefill chunk's rows, the reuse measures'
     if T > 1 or (reuse and ctx.measure_reuse):
-        ordered = attention.in_entry_order(pool_view(c["pool"], ch.blocks, ch.groups), entries, first)
+        ordered = attention.in_entry_order(pool_view(pools, lay.local, ch.blocks, ch.groups), entries, first)
     dtype = lay.q.dtype
     if reuse:  # IndexCache: the previous computing layer's entries, this layer's rows
         ids = last_ids
         if ctx.measure_reuse or not cfg.index_cache_skip_compressor:
-            keys, payload, key_pool = indexer_keys()
+            keys, payload = indexer_keys()
             if ctx.measure_reuse:
                 values = [kv_record.read(x, *_kv_dims(cfg), dtype) for x in (ring, kv, ordered)]
-                measures = attention.reuse_measures(lay.q, *values, own_choice(keys, key_pool)[1], ids, lay.sink, ch.p0,
-                                                    cfg)
+                measures = attention.reuse_measures(lay.q, *values, own_choice(keys)[1], ids, lay.sink, ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
-        keys, out["indexer"], key_pool = indexer_keys()
-        scores, ids = own_choice(keys, key_pool)
+        keys, out["indexer"] = indexer_keys()
+        scores, ids = own_choice(keys)
     if T == 1:  # decode: read only the selected rows of the pool
         old = (ids < first[:, None, None])[..., None]
-        rows = jnp.where(old, pool_entries(c["pool"], ch.blocks, jnp.clip(ids, 0), ch.groups),
+        rows = jnp.where(old, pool_entries(pools, lay.local, ch.blocks, jnp.clip(ids, 0), ch.groups),
                          jnp.take_along_axis(entries[:, None], jnp.clip(ids - first[:, None, None], 0)[..., None],
                                              axis=2))
         comp_rows = rows[:, 0]
@@ -293,8 +295,9 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid, folded=ch.folded)
     rope = cfg.rope_head_dim
-    entries = _pinned(_stored(entries, c["pool"], rope), c["pool"], ch, HCA)
-    pool = pool_view(c["pool"], ch.blocks, ch.groups)
+    pools = caches["hca"]["pool"]  # read as the stack (cache.pool_view)
+    entries = _pinned(_stored(entries, pools, rope), pools, lay.local, ch, HCA)
+    pool = pool_view(pools, lay.local, ch.blocks, ch.groups)
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)

@@ -504,6 +504,49 @@ def _scatter_overcount(mod: "_Module", line: str) -> float:
     return 2.0 * max(0, shapes[root.group(1)] - shapes.get(operands[-1], 0))
 
 
+def _gather_overcount(mod: "_Module", line: str) -> float:
+    """For a GPU fusion that gathers rows out of one of its parameters (the decode step's reads
+    of its cache pools, from the stack of every layer's): the bytes XLA's HloCostAnalysis counts
+    beyond the rows gathered (it counts a parameter read whole unless only sliced: a stack of
+    pools for a few hundred rows), else 0."""
+    called = _CALLS.search(line)
+    if " fusion(" not in line or not called or called.group(1) not in mod.comps:
+        return 0.0
+    shapes, users, params = {}, {}, []
+    for l in mod.comps[called.group(1)][1:]:
+        m = _INSTRUCTION.match(l)
+        if not m:
+            continue
+        name, op = m.group(1), m.group(3)
+        shapes[name] = _shape_bytes(m.group(2))
+        operands = _NAME.findall(m.group(4).split("), ")[0])
+        for i, o in enumerate(operands):
+            users.setdefault(o, []).append((name, op, i))
+        if op == "parameter":
+            params.append(name)
+
+    def rows(name):  # the bytes the gathers reading `name` (through bitcasts) produce; None if any other use
+        total = 0
+        for user, op, i in users.get(name, []):
+            if op == "bitcast":
+                sub = rows(user)
+                if sub is None:
+                    return None
+                total += sub
+            elif op == "gather" and i == 0:
+                total += shapes[user]
+            else:
+                return None
+        return total
+
+    over = 0.0
+    for p in params:
+        r = rows(p)
+        if r:
+            over += max(0, shapes[p] - r)
+    return over
+
+
 def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu",
                  unchosen_bytes: float = 0.0) -> dict:
     """Flops and bytes accessed per device of a compiled program (its optimized HLO `text`), by
@@ -520,8 +563,10 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     bytes of as many experts as could be chosen; `unchosen_bytes`, the caller's expectation of
     those no row chooses (`unchosen_expert_bytes`), comes off each such call. On GPU an in-place
     scatter fusion (the cache writes) counts its updates, not its whole operand
-    (`_scatter_overcount`). Collectives count the bytes a device sends in them
-    (`_Module.collective_bytes`), loops and branches as above.
+    (`_scatter_overcount`), and a fusion that gathers rows out of a parameter those rows, not the
+    whole parameter (`_gather_overcount`; a TPU gather fusion is counted by its rows already).
+    Collectives count the bytes a device sends in them (`_Module.collective_bytes`), loops and
+    branches as above.
     Returns {"flops", "fp8_flops" (those of the FP8-activation kernels, which multiply FP8 on
     Hopper's tensor cores and v7x's MXU, and of XLA's own products of two FP8 operands),
     "bytes_accessed", "collective_bytes", "xla_flops", "xla_bytes_accessed" (XLA's own figures,
@@ -565,7 +610,7 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
             if c:
                 out += total(c.group(1)) - mod.xla(c.group(1))
             elif platform == "cuda":
-                out[1] -= _scatter_overcount(mod, line)
+                out[1] -= _scatter_overcount(mod, line) + _gather_overcount(mod, line)
         return out
 
     flops, nbytes, collective, fp8_flops = total(mod.entry)
