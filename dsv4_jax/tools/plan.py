@@ -483,16 +483,22 @@ class _Module:
         return consts.pop() if len(consts) == 1 else None
 
 
+def _fusion_body(mod: "_Module", line: str) -> list[str]:
+    """The instruction lines of the computation a fusion instruction `line` calls (none for
+    another instruction)."""
+    called = _CALLS.search(line)
+    if " fusion(" not in line or not called or called.group(1) not in mod.comps:
+        return []
+    return mod.comps[called.group(1)][1:]
+
+
 def _scatter_overcount(mod: "_Module", line: str) -> float:
     """For a GPU fusion whose root is an in-place scatter: the bytes XLA's HloCostAnalysis counts
     beyond the updates (it counts the whole scattered operand read and written: a cache stack of
     1.6 GB for a few rows; nothing beyond them when the updates are the larger, a scatter-add of
     many rows into few), else 0."""
-    called = _CALLS.search(line)
-    if " fusion(" not in line or not called or called.group(1) not in mod.comps:
-        return 0.0
     shapes, root = {}, None
-    for l in mod.comps[called.group(1)][1:]:
+    for l in _fusion_body(mod, line):
         m = _INSTRUCTION.match(l)
         if m:
             shapes[m.group(1)] = _shape_bytes(m.group(2))
@@ -509,11 +515,8 @@ def _gather_overcount(mod: "_Module", line: str) -> float:
     of its cache pools, from the stack of every layer's): the bytes XLA's HloCostAnalysis counts
     beyond the rows gathered (it counts a parameter read whole unless only sliced: a stack of
     pools for a few hundred rows), else 0."""
-    called = _CALLS.search(line)
-    if " fusion(" not in line or not called or called.group(1) not in mod.comps:
-        return 0.0
     shapes, users, params = {}, {}, []
-    for l in mod.comps[called.group(1)][1:]:
+    for l in _fusion_body(mod, line):
         m = _INSTRUCTION.match(l)
         if not m:
             continue
