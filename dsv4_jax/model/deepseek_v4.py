@@ -290,7 +290,7 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A ratio-128 layer: window plus every visible compressed entry."""
     cfg, ch = ctx.cfg, ctx.chunk
     B, T = lay.q.shape[:2]
-    own, c = take_layer(ctx.params["hca"], lay.local), take_layer(caches["hca"], lay.local)
+    own, ring = take_layer(ctx.params["hca"], lay.local), take_layer(caches["hca"]["ring"], lay.local)
     entries, n_new, state = attention.compress_chunk(
         own["compressor"], lay.x, caches["hca"]["state_a"], caches["hca"]["state_z"], ch.p0, HCA, ch.compress_freqs,
         cfg, layer=lay.local, n_valid=ch.n_valid, folded=ch.folded)
@@ -301,8 +301,8 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     ids = jnp.arange(pool.shape[1], dtype=jnp.int32)
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
-    kv = _stored(lay.kv, c["ring"], rope)
-    o = attention.attend(lay.q, c["ring"], kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    kv = _stored(lay.kv, ring, rope)
+    o = attention.attend(lay.q, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     payload = {"kv": kv, "entries": entries, "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
