@@ -868,9 +868,10 @@ class Engine:
         branches of a switch
         (dsv4_jax/model/layer_weights.py), and a program's first run through a branch is slow, a
         cost a request would otherwise pay (docs/serving.md, "Serving benchmark")."""
-        # `_prefill`'s row buckets: powers of two below the slots, and all the slots.
-        powers = range((self.slots - 1).bit_length() + 1)
-        rows = sorted({self.model.batch_rows(self._rows_bucket(1 << i)) for i in powers})
+        # The row buckets (`_rows_bucket`): powers of two below the slots, and all the slots;
+        # `_prefill`'s as the mesh rounds them.
+        buckets = sorted({self._rows_bucket(1 << i) for i in range((self.slots - 1).bit_length() + 1)})
+        rows = sorted({self.model.batch_rows(n) for n in buckets})
         chunks = sorted({chunk_bucket(1 << i, self.prefill_chunk) for i in range(self.prefill_chunk.bit_length())})
         S, V = self.slots, self.cfg.vocab_size
         if self.deterministic:  # no prefill program runs
@@ -908,7 +909,7 @@ class Engine:
         if self.fork_rows:
             programs.append((f"fork (up to {self.fork_rows} choices)", no_fork))
         if self.paged:
-            for n in sorted({self._rows_bucket(1 << i) for i in powers}):
+            for n in buckets:
                 programs.append((f"block table ({n} row{'s' * (n > 1)})", table_rows(n)))
         total = len(programs) + len(rows) * len(chunks)
         report = progress or (lambda *_: None)
