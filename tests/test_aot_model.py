@@ -121,24 +121,34 @@ _NO_COPY = (" parameter(", " custom-call(", " bitcast(", " get-tuple-element(", 
             " conditional(", " call(")
 
 
+# The bf16 leaves the model multiplies in fp32 (params.py): a step that converted them to fp32,
+# or back to bf16 for a TPU product, would copy their stacks whole. (One layer's slice is not
+# checked: XLA:GPU copies it out for the prefill chunk's GEMM.)
+_FP32_PRODUCTS = {("head",), ("layers", "ffn", "gate"), ("csa", "compressor", "wkv"), ("csa", "compressor", "wgate"),
+                  ("csa", "indexer", "compressor", "wkv"), ("csa", "indexer", "compressor", "wgate"),
+                  ("hca", "compressor", "wkv"), ("hca", "compressor", "wgate")}
+
+
 def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str]]:
     """The per-device stored shapes (dtype and dims as HLO prints them, e.g. ("f8e4m3fn",
-    "256,128")) of the stacked
-    quantized weights the kernels read (the FP8 linears, the routed experts): each stack's, one
-    layer's and, for the routed experts, one expert's. Not those whose input dim
-    `split_input(its logical axis)` says the layout splits: they stay on XLA's partitioned
+    "256,128")) of the stacked quantized weights the kernels read (the FP8 linears, the routed
+    experts): each stack's, one layer's and, for the routed experts, one expert's; and the whole
+    stacks of the bf16 ones multiplied in fp32 (`_FP32_PRODUCTS`). Not the quantized ones whose
+    input dim `split_input(its logical axis)` says the layout splits: they stay on XLA's partitioned
     product, which re-lays them out (`linear` module doc; a known gap)."""
     from dsv4_jax.model.quantized import QuantizedWeight
 
     shapes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
-        keys = [k.key for k in path]
-        if keys[0] not in ("layers", "csa", "hca") or not isinstance(leaf, QuantizedWeight) or split_input(leaf.axes[1]):
-            continue
-        local = leaf.values.sharding.shard_shape(leaf.values.shape)
-        dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
-        for lead in range(len(local) - 1):
-            shapes.add((dtype, ",".join(map(str, local[lead:]))))
+        keys = tuple(k.key for k in path)
+        if keys in _FP32_PRODUCTS:
+            assert leaf.dtype == jnp.bfloat16, keys
+            shapes.add(("bf16", ",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))))
+        elif keys[0] in ("layers", "csa", "hca") and isinstance(leaf, QuantizedWeight) and not split_input(leaf.axes[1]):
+            local = leaf.values.sharding.shard_shape(leaf.values.shape)
+            dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
+            for lead in range(len(local) - 1):
+                shapes.add((dtype, ",".join(map(str, local[lead:]))))
     return shapes
 
 
@@ -220,7 +230,8 @@ def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exch
     from dsv4_jax.tools import plan
     from dsv4_jax.model.presets import FLASH
 
-    small = dict(FLASH, vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    # (a vocabulary of 2 head_dim tokens would give the head the shape of a layer's compressor weight)
+    small = dict(FLASH, vocab_size=1280, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                  q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=1,
                  compress_ratios=[0, 4, 128, 4, 0])

@@ -21,9 +21,9 @@ SMALL = dict(FLASH, vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_a
              q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=1,
              compress_ratios=[0, 4, 128, 4, 0])
-# Too big for one 80 GB H100 whatever its context: a 2^24-token vocabulary (a bf16 embedding and
-# an fp32 head of 2^24 x 1024: 100 GiB), the layers of SMALL.
-HUGE_VOCAB = dict(SMALL, vocab_size=1 << 24, hidden_size=1024)
+# Too big for one 80 GB H100 whatever its context: a 2^25-token vocabulary (a bf16 embedding and
+# head of 2^25 x 1024: 128 GiB), the layers of SMALL.
+HUGE_VOCAB = dict(SMALL, vocab_size=1 << 25, hidden_size=1024)
 
 
 def _config(tmp_path, d, name):

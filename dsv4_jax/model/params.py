@@ -19,7 +19,10 @@ Layout (nested dicts of arrays; `L` = main layers, per-kind stacks only hold the
 
 A kind's subtree is absent when no layer has that kind. Linear weights are `[out, in]`, as in the
 checkpoint. Every leaf's dtype class is one of "weight" (the model dtype), "f32" (kept in fp32
-in every mode, as the reference keeps it) or "int".
+in every mode, as the reference keeps it) or "int". The head, the router's `gate` and the
+compressors' `wkv` / `wgate` are "weight" leaves that the model multiplies in fp32, as the
+reference does its fp32 copies of them: the published checkpoints store them in bf16, which
+holds their values exactly at half the bytes a decode step reads.
 
 Native (quantized) mode: the leaves in `NATIVE_QUANT` may instead hold a
 `dsv4_jax.model.quantized.QuantizedWeight` (same logical shape; FP8 for the attention / indexer /
@@ -54,7 +57,7 @@ NATIVE_QUANT: dict[tuple[str, ...], str] = {
 
 def _compressor_spec(n: int, kind: LayerKind, d: int, hidden: int) -> dict:
     c = kind.compressor_width(d)
-    return {"wkv": ((n, c, hidden), F32), "wgate": ((n, c, hidden), F32), "ape": ((n, kind.ratio, c), F32),
+    return {"wkv": ((n, c, hidden), WEIGHT), "wgate": ((n, c, hidden), WEIGHT), "ape": ((n, kind.ratio, c), F32),
             "norm": ((n, d), F32)}
 
 
@@ -67,7 +70,7 @@ def param_spec(cfg: ModelConfig) -> dict:
     hc_site = {"fn": ((L, M, hc * D), F32), "base": ((L, M), F32), "scale": ((L, 3), F32)}
     spec: dict[str, Any] = {
         "embed": ((V, D), WEIGHT),
-        "head": ((V, D), F32),
+        "head": ((V, D), WEIGHT),
         "norm": ((D,), F32),
         "hc_head": {"fn": ((hc, hc * D), F32), "base": ((hc,), F32), "scale": ((1,), F32)},
         "layers": {
@@ -82,7 +85,7 @@ def param_spec(cfg: ModelConfig) -> dict:
                 "sink": ((L, H), F32),
             },
             "ffn": {
-                "gate": ((L, E, D), F32),
+                "gate": ((L, E, D), WEIGHT),
                 "w1": ((L, E, I, D), WEIGHT), "w2": ((L, E, D, I), WEIGHT), "w3": ((L, E, I, D), WEIGHT),
                 "shared_w1": ((L, I, D), WEIGHT), "shared_w2": ((L, D, I), WEIGHT),
                 "shared_w3": ((L, I, D), WEIGHT),
