@@ -144,7 +144,8 @@ def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str
         if keys in _FP32_PRODUCTS:
             assert leaf.dtype == jnp.bfloat16, keys
             shapes.add(("bf16", ",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))))
-        elif keys[0] in ("layers", "csa", "hca") and isinstance(leaf, QuantizedWeight) and not split_input(leaf.axes[1]):
+        elif (keys[0] in ("layers", "csa", "hca") and isinstance(leaf, QuantizedWeight)
+              and not split_input(leaf.axes[1])):
             local = leaf.values.sharding.shard_shape(leaf.values.shape)
             dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
             for lead in range(len(local) - 1):

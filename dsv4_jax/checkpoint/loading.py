@@ -49,9 +49,9 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     transformers naming; float, FP8 or FP4 weights, dequantized on the fly). `dtype` is the
     compute dtype of the weights (float32 or bfloat16); norms, hyper-connections, sinks and `ape`
     stay in float32 (the head, gate and compressor weights are held in `dtype` and multiplied in
-    float32, model/params.py). A `--dtype native` conversion's FP8/FP4 leaves
-    come back as `QuantizedWeight`s (stored values and scales, `dtype` as their compute dtype),
-    dequantized inside the matmuls. `sharding`, when given, is either one Sharding for every
+    float32, model/params.py). A `--dtype native` conversion's FP8/FP4 leaves come back as
+    `QuantizedWeight`s (stored values and scales, `dtype` as their compute dtype), dequantized
+    inside the matmuls. `sharding`, when given, is either one Sharding for every
     array (e.g. a NamedSharding on a mesh) or a function (dotted tree path, stored shape) ->
     Sharding, asked once per stored array (a QuantizedWeight's `values` and `scale` apart, as
     `layers.ffn.w1.values`), e.g. to split the routed experts over a mesh axis; each device
@@ -292,11 +292,12 @@ def load_mtp_params(path: str | os.PathLike, dtype=jnp.float32) -> dict:
     `path` is read as `load` reads it: a `dsv4-convert` directory (its `mtp/`, the same tree) or
     an HF checkpoint directory (official names, with or without a leading `model.`). `dtype` is
     the compute dtype of the weights; norms, hyper-connections and the sink stay float32 (the
-    gate is held in `dtype` and multiplied in float32). From a `--dtype native` conversion the leaves mtp.NATIVE_QUANT names that the
-    checkpoint stores quantized come back as `QuantizedWeight`s (stored values and scales,
-    dequantized inside the matmuls), as `load` does for the main layers: e_proj, h_proj and the
-    attention and shared-expert linears FP8, the routed experts FP4; attn.wo_a is dequantized (as
-    the main layers'). From an HF directory every weight is dequantized exactly to `dtype`.
+    gate is held in `dtype` and multiplied in float32). From a `--dtype native` conversion the
+    leaves mtp.NATIVE_QUANT names that the checkpoint stores quantized come back as
+    `QuantizedWeight`s (stored values and scales, dequantized inside the matmuls), as `load` does
+    for the main layers: e_proj, h_proj and the attention and shared-expert linears FP8, the
+    routed experts FP4; attn.wo_a is dequantized (as the main layers'). From an HF directory
+    every weight is dequantized exactly to `dtype`.
 
     Raises CheckpointError naming the problem for a checkpoint without MTP tensors, for a
     missing, unexpected, duplicated or misshapen one, and for an `mtp/` an earlier dsv4-convert
