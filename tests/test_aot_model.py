@@ -122,8 +122,7 @@ _NO_COPY = (" parameter(", " custom-call(", " bitcast(", " get-tuple-element(", 
 
 
 # The bf16 leaves the model multiplies in fp32 (params.py): a step that converted them to fp32,
-# or back to bf16 for a TPU product, would copy their stacks whole. (One layer's slice is not
-# checked: XLA:GPU copies it out for the prefill chunk's GEMM.)
+# or back to bf16 for a TPU product, would copy their stacks whole.
 _FP32_PRODUCTS = {("head",), ("layers", "ffn", "gate"), ("csa", "compressor", "wkv"), ("csa", "compressor", "wgate"),
                   ("csa", "indexer", "compressor", "wkv"), ("csa", "indexer", "compressor", "wgate"),
                   ("hca", "compressor", "wkv"), ("hca", "compressor", "wgate")}
@@ -133,9 +132,11 @@ def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str
     """The per-device stored shapes (dtype and dims as HLO prints them, e.g. ("f8e4m3fn",
     "256,128")) of the stacked quantized weights the kernels read (the FP8 linears, the routed
     experts): each stack's, one layer's and, for the routed experts, one expert's; and the whole
-    stacks of the bf16 ones multiplied in fp32 (`_FP32_PRODUCTS`). Not the quantized ones whose
-    input dim `split_input(its logical axis)` says the layout splits: they stay on XLA's partitioned
-    product, which re-lays them out (`linear` module doc; a known gap)."""
+    stacks of the bf16 weights (every layer stack, among them those multiplied in fp32,
+    `_FP32_PRODUCTS`, and the head). (One layer's bf16 slice is not among them: XLA:GPU copies it
+    out for the prefill chunk's GEMM.) Not the quantized ones whose input dim `split_input(its
+    logical axis)` says the layout splits: they stay on XLA's partitioned product, which re-lays
+    them out (`linear` module doc; a known gap)."""
     from dsv4_jax.model.quantized import QuantizedWeight
 
     shapes = set()
@@ -143,13 +144,14 @@ def _weight_shapes(params, split_input=lambda axis: False) -> set[tuple[str, str
         keys = tuple(k.key for k in path)
         if keys in _FP32_PRODUCTS:
             assert leaf.dtype == jnp.bfloat16, keys
+        if isinstance(leaf, QuantizedWeight):
+            if keys[0] in ("layers", "csa", "hca") and not split_input(leaf.axes[1]):
+                local = leaf.values.sharding.shard_shape(leaf.values.shape)
+                dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
+                for lead in range(len(local) - 1):
+                    shapes.add((dtype, ",".join(map(str, local[lead:]))))
+        elif leaf.dtype == jnp.bfloat16 and (keys == ("head",) or keys[0] in ("layers", "csa", "hca")):
             shapes.add(("bf16", ",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))))
-        elif (keys[0] in ("layers", "csa", "hca") and isinstance(leaf, QuantizedWeight)
-              and not split_input(leaf.axes[1])):
-            local = leaf.values.sharding.shard_shape(leaf.values.shape)
-            dtype = "f8e4m3fn" if leaf.fmt == "fp8" else "u8"
-            for lead in range(len(local) - 1):
-                shapes.add((dtype, ",".join(map(str, local[lead:]))))
     return shapes
 
 
@@ -160,7 +162,7 @@ def _unfused(text: str) -> list[str]:
 
     mod = _Module(text)
     fused = {c for body in mod.comps.values() for line in body
-             for c in re.findall(r"kind=k\w+, calls=%([\w.\-]+)", line)}
+             for c in re.findall(r"kind=k\w+,.*? calls=%([\w.\-]+)", line)}
     return [line for name, body in mod.comps.items() if name not in fused for line in body[1:]
             if re.match(r"\s+(?:ROOT )?%\S+ = ", line) and not any(op in line for op in _NO_COPY)]
 
@@ -188,10 +190,11 @@ def _layer_sized(text: str, dims: str) -> list[str]:
 
 
 @pytest.mark.parametrize("target,layout,tokens", [("v5p-8", "dp_attention", 1), ("v5p-8", "tp_attention", 1),
-                                                  ("v5p-8", "dp_attention", 16), ("h200x8", "dp_attention", 1),
+                                                  ("v5p-8", "dp_attention", 16), ("tpu7x-8", "dp_attention", 1),
+                                                  ("tpu7x-8", "dp_attention", 16), ("h200x8", "dp_attention", 1),
                                                   ("h200x8", "dp_attention", 16)],
-                         ids=["v5p-dp-decode", "v5p-tp-decode", "v5p-dp-prefill", "h200-dp-decode",
-                              "h200-dp-prefill"])
+                         ids=["v5p-dp-decode", "v5p-tp-decode", "v5p-dp-prefill", "tpu7x-dp-decode",
+                              "tpu7x-dp-prefill", "h200-dp-decode", "h200-dp-prefill"])
 def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout, tokens):
     """The decode step and a prefill chunk of a small Flash-shaped model with its published
     FP8/FP4 weights, compiled for a whole v5p-8 or h200x8 the way dsv4-plan compiles them: the
@@ -220,11 +223,36 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     assert ("ragged-all-to-all" in result.compiled.as_text()) == ragged
 
 
+@pytest.mark.parametrize("target", ["v5p-8", "tpu7x-8", "h200x8"])
+def test_bf16_step_reads_the_weight_stacks_in_place(tmp_path, monkeypatch, target):
+    """The decode step of the small model with bf16 weights (dsv4-plan --weight-dtype bfloat16),
+    compiled for a whole target: no instruction but a kernel's call copies or re-lays out a whole
+    weight stack. On tpu7x-8 the stacks XLA's own products read are given (16, 128) tiles
+    (`sharding.product_tiled`); laid out by default, the same step re-lays them out."""
+    s, result = _compiled_small(tmp_path, target, "dp_attention", 1, weight_dtype="bfloat16")
+    stacks = _weight_shapes(s.params)
+    assert not _copies(result.compiled.as_text(), stacks)
+    leaves = [(tuple(k.key for k in p), x) for p, x in jax.tree_util.tree_flatten_with_path(s.params)[0]]
+    tiled = {p for p, x in leaves if getattr(x.format, "layout", None) and x.format.layout.tiling[0] == (16, 128)}
+    if target != "tpu7x-8":
+        assert not tiled
+        return
+    # the dense linears, the router and the compressors: every bf16 stack but the kernels'
+    # operands (wo_a and the routed experts)
+    assert tiled == {p for p, x in leaves if x.dtype == jnp.bfloat16 and p[0] in ("layers", "csa", "hca")
+                     and p[-1] not in ("wo_a", "w1", "w2", "w3")}
+    assert len(tiled) == 16
+    monkeypatch.setattr(dsv4_jax.model.sharding, "_PRODUCT_TILES", {})
+    s, result = _compiled_small(tmp_path, target, "dp_attention", 1, weight_dtype="bfloat16")
+    assert len(_copies(result.compiled.as_text(), stacks)) >= len(tiled)
+
+
 def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exchange: str = "auto",
-                    **options):
-    """A small Flash-shaped model with its published FP8/FP4 weights, its decode step (tokens 1)
-    or a prefill chunk compiled for a whole target as dsv4-plan compiles them: (plan.Setup,
-    aot.Result). tp_attention runs on expert=devices/2 x tensor=2; options: the model's run-time options."""
+                    weight_dtype: str = "native", **options):
+    """A small Flash-shaped model with its published FP8/FP4 weights (or `weight_dtype`, as
+    dsv4-plan's), its decode step (tokens 1) or a prefill chunk compiled for a whole target as
+    dsv4-plan compiles them: (plan.Setup, aot.Result). tp_attention runs on expert=devices/2 x
+    tensor=2; options: the model's run-time options."""
     import dataclasses
     import json
 
@@ -233,13 +261,13 @@ def _compiled_small(tmp_path, target: str, layout: str, tokens: int, expert_exch
 
     # (a vocabulary of 2 head_dim tokens would give the head the shape of a layer's compressor weight)
     small = dict(FLASH, vocab_size=1280, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=4, n_routed_experts=8,
+                 q_lora_rank=128, o_groups=2, o_lora_rank=128, index_n_heads=16, n_routed_experts=16,
                  num_experts_per_tok=2, moe_intermediate_size=256, num_hash_layers=1,
                  compress_ratios=[0, 4, 128, 4, 0])
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small))
     mesh = None if layout == "dp_attention" else {"expert": aot.target(target).devices // 2, "tensor": 2}
-    s = plan.setup(str(path), target, layout, mesh, None, "native", expert_exchange)
+    s = plan.setup(str(path), target, layout, mesh, None, weight_dtype, expert_exchange)
     s = dataclasses.replace(s, cfg=s.cfg.replace(**options))
     cache = plan.abstract_cache(s.cfg, s.batch, 1024, s.mesh, s.layout)
     ids = jax.ShapeDtypeStruct((s.batch, tokens), jnp.int32, sharding=NamedSharding(s.mesh, s.layout.spec(

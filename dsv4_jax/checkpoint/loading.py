@@ -63,7 +63,8 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
     like their float forms), and the returned model's programs run on that mesh.
     `mtp=True` also loads the checkpoint's MTP block (`load_mtp_params`, on the mesh's devices
     under the layout like a main layer) into `model.mtp` (a `blocks.MTPBlock`), for speculative
-    decoding. The model is a Flax NNX module (`DeepseekV4`; docs/design.md).
+    decoding. The model is a Flax NNX module (`DeepseekV4`; docs/design.md). On TPU v7 the weight
+    stacks XLA's products read are moved to its product tiles (`sharding.product_tiled`).
     `options` set the run-time fields of ModelConfig (`attention_impl`, `use_index_cache`,
     `index_topk_freq`, `index_topk_pattern`, `index_cache_skip_compressor`) over what
     config.json says."""
@@ -81,28 +82,28 @@ def load(path: str | os.PathLike, dtype=jnp.float32,
         sharding = sh.named_sharding_of(mesh, lay)
     elif layout is not None:
         raise ValueError("`layout` needs a `mesh`")
-    model = _load(path, cfg, dtype, sharding)
+    model = DeepseekV4(sh.product_tiled(_params(path, cfg, dtype, sharding)), config=cfg)
     if mtp:
         model.mtp = MTPBlock(_load_mtp(path, cfg, dtype, mesh))
     model.mesh = mesh
     return model
 
 
-def _load(path: str, cfg: ModelConfig, dtype, sharding) -> DeepseekV4:
+def _params(path: str, cfg: ModelConfig, dtype, sharding) -> dict:
     if is_converted(path):
-        return DeepseekV4(_restore(path, cfg, dtype, sharding), config=cfg)
+        return _restore(path, cfg, dtype, sharding)
     if _converted_config(path):
         raise _damaged(f"{os.path.join(path, PARAMS_DIR)} is missing: {path} is an incomplete dsv4-convert output; "
                        f"convert it again")
 
     params = read_hf_checkpoint(path, cfg, dtype)
     if sharding is None:
-        return DeepseekV4(jax.tree.map(jnp.asarray, params), config=cfg)
+        return jax.tree.map(jnp.asarray, params)
 
     def put(p, x):
         return jax.device_put(x, _sharding_of(sharding, jax.tree_util.keystr(p, simple=True, separator="."), x.shape))
 
-    return DeepseekV4(jax.tree_util.tree_map_with_path(put, params), config=cfg)
+    return jax.tree_util.tree_map_with_path(put, params)
 
 
 def _sharding_of(sharding, name: str, shape) -> jax.sharding.Sharding:

@@ -18,6 +18,9 @@ static, hashable run-time option) and runs its jitted programs under `jax.set_me
 GSPMD partitions the dense work from the arrays' shardings, and the per-device code (the routed
 experts, which exchange tokens, and the Pallas kernels, which the compiler cannot partition)
 runs in `shard_map` (`per_device`).
+
+On TPU v7 the bf16 weight stacks that XLA's own products read are laid out in the tiles those
+products read (`product_tiled`, applied by `load` and dsv4-plan).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import layout as xla_layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .cache import ROW_LEAVES
@@ -233,6 +237,53 @@ def named_sharding_of(mesh, layout: Layout) -> Callable[[str, tuple], NamedShard
         return NamedSharding(mesh, layout.spec(param_axes(path, len(shape)), mesh, shape))
 
     return of
+
+
+# ---- tiles of the weight stacks ----------------------------------------------------------------
+
+# The bf16 weight stacks that XLA's own products read, one layer's slice per step of the layer
+# scan. The other weights are kernel operands (the routed experts and wo_a go to the grouped
+# matmul, a QuantizedWeight's arrays to the FP8 / FP4 kernels) or are gathered (embed).
+_PRODUCT_STACKS = frozenset({
+    ("layers", "attn", "wq_a"), ("layers", "attn", "wq_b"), ("layers", "attn", "wkv"), ("layers", "attn", "wo_b"),
+    ("layers", "ffn", "gate"), ("layers", "ffn", "shared_w1"), ("layers", "ffn", "shared_w2"),
+    ("layers", "ffn", "shared_w3"), ("csa", "compressor", "wkv"), ("csa", "compressor", "wgate"),
+    ("csa", "indexer", "wq_b"), ("csa", "indexer", "weights_proj"), ("csa", "indexer", "compressor", "wkv"),
+    ("csa", "indexer", "compressor", "wgate"), ("hca", "compressor", "wkv"), ("hca", "compressor", "wgate"),
+})
+
+# By device kind, the tiles of a bf16 operand of XLA's products where they are not the tiles it
+# gives an argument: TPU v7 multiplies bf16 in (16, 128) tiles and lays arguments out in (8,
+# 128), so a stack handed over in the default layout is re-laid out whole in every step
+# (docs/plan.md). v5p and v6e multiply in the default tiles.
+_PRODUCT_TILES = {"TPU7x": ((16, 128), (2, 1))}
+
+
+def product_tiled(params):
+    """`params` (arrays, QuantizedWeights or ShapeDtypeStructs, each with its sharding) with the
+    bf16 weight stacks XLA's products read laid out in the tiles those products read on their
+    devices (arrays moved there, their old buffers donated; ShapeDtypeStructs given that
+    `Format`). On every device but TPU v7 that is the default layout: `params` itself."""
+    from .quantized import QuantizedWeight
+
+    def place(path, x):
+        if isinstance(x, QuantizedWeight) or tuple(k.key for k in path) not in _PRODUCT_STACKS:
+            return x
+        tiles = _PRODUCT_TILES.get(next(iter(x.sharding.device_set)).device_kind)
+        if tiles is None or x.dtype != jnp.bfloat16 or not _whole_tiles(x.sharding.shard_shape(x.shape), tiles[0]):
+            return x
+        fmt = xla_layout.Format(xla_layout.Layout(major_to_minor=tuple(range(x.ndim)), tiling=tiles), x.sharding)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fmt)
+        return jax.device_put(x, fmt, donate=True)
+
+    return jax.tree_util.tree_map_with_path(place, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def _whole_tiles(shape: tuple[int, ...], tile: tuple[int, int]) -> bool:
+    """Whether the matrices of a stack of `shape` fill whole tiles: a stack of smaller matrices
+    keeps the default layout (the TPU compiler aborts on an argument smaller than its tile)."""
+    return shape[-2] % tile[0] == 0 and shape[-1] % tile[1] == 0
 
 
 def check_divisible(cfg: ModelConfig, mesh, layout: Layout) -> None:

@@ -103,7 +103,7 @@ def model_config(model: str) -> ModelConfig:
 
 def abstract_params(cfg: ModelConfig, weight_dtype: str, mesh, layout: sharding.Layout) -> dict:
     """The parameter tree as ShapeDtypeStructs on their shardings (QuantizedWeights of them for
-    the native leaves)."""
+    the native leaves), in the layouts `load` puts them in (`sharding.product_tiled`)."""
     def leaf(path, spec_leaf):
         shape, cls = spec_leaf
         if weight_dtype == "native" and path in NATIVE_QUANT:
@@ -114,7 +114,7 @@ def abstract_params(cfg: ModelConfig, weight_dtype: str, mesh, layout: sharding.
         return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(cls, jnp.bfloat16))
 
     params = map_spec(leaf, param_spec(cfg))
-    return _placed(params, sharding.param_shardings(params, mesh, layout))
+    return sharding.product_tiled(_placed(params, sharding.param_shardings(params, mesh, layout)))
 
 
 def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, mesh, layout: sharding.Layout,
