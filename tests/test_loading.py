@@ -64,6 +64,34 @@ def test_bf16_load(tmp_path, params):
     assert out.dtype == jnp.float32 and out.shape == (1, 12, CFG.vocab_size)
 
 
+def test_product_tiles_at_load(tmp_path, params, monkeypatch):
+    """On TPU v7, `load` moves the bf16 weight stacks XLA's own products read into (16, 128) tiles
+    (`sharding.product_tiled`, docs/plan.md). This machine has no TPU v7, but its XLA takes tiled
+    layouts as well: with (8, 8) tiles given for the CPU (TINY's matrices are smaller than 16 x
+    128), load places exactly those stacks so, every other leaf in the default layout, and the
+    model's programs take the arrays as they are: the logits equal the default layout's bit for
+    bit, and greedy generation gives the same tokens."""
+    from dsv4_jax.model import sharding
+
+    write_hf_checkpoint(params, CFG, str(tmp_path), dtype=ml_dtypes.bfloat16)
+    ids = np.arange(12).reshape(1, 12) % CFG.vocab_size
+    default = dsv4_jax.load(tmp_path, dtype=jnp.bfloat16)
+    monkeypatch.setattr(sharding, "_PRODUCT_TILES", {"cpu": ((8, 8),)})
+    model = dsv4_jax.load(tmp_path, dtype=jnp.bfloat16)
+    leaves = [(tuple(k.key for k in p), x) for p, x in jax.tree_util.tree_flatten_with_path(model.params)[0]]
+    tiled = {p for p, x in leaves if x.format.layout.tiling == ((8, 8),)}
+    # every bf16 stack but the grouped matmul kernel's operands (wo_a, the routed experts)
+    assert tiled == {p for p, x in leaves if x.dtype == jnp.bfloat16 and p[0] in ("layers", "csa", "hca")
+                     and p[-1] not in ("wo_a", "w1", "w2", "w3")}
+    assert len(tiled) == 16 and all(not x.format.layout.tiling for p, x in leaves if p not in tiled)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(default(ids)))
+    np.testing.assert_array_equal(dsv4_jax.generate(model, ids, 8).tokens, dsv4_jax.generate(default, ids, 8).tokens)
+    # the buffer a stack came from is donated (load holds one stack twice at most, not the tree)
+    stack, embed = jnp.ones((2, 16, 32), jnp.bfloat16), jnp.ones((96, 32), jnp.bfloat16)
+    placed = sharding.product_tiled({"layers": {"attn": {"wq_a": stack}}, "embed": embed})
+    assert stack.is_deleted() and placed["embed"] is embed and not embed.is_deleted()
+
+
 def test_hybrid_naming_loads_the_same(ckpt, params):
     to_hybrid = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
