@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .cache import ROW_LEAVES
 from .config import ModelConfig
+from .params import NATIVE_QUANT
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -242,13 +243,13 @@ def named_sharding_of(mesh, layout: Layout) -> Callable[[str, tuple], NamedShard
 # ---- tiles of the weight stacks ----------------------------------------------------------------
 
 # The bf16 weight stacks that XLA's own products read, one layer's slice per step of the layer
-# scan. The other weights are kernel operands (the routed experts and wo_a go to the grouped
-# matmul, a QuantizedWeight's arrays to the FP8 / FP4 kernels) or are gathered (embed).
-_PRODUCT_STACKS = frozenset({
-    ("layers", "attn", "wq_a"), ("layers", "attn", "wq_b"), ("layers", "attn", "wkv"), ("layers", "attn", "wo_b"),
-    ("layers", "ffn", "gate"), ("layers", "ffn", "shared_w1"), ("layers", "ffn", "shared_w2"),
-    ("layers", "ffn", "shared_w3"), ("csa", "compressor", "wkv"), ("csa", "compressor", "wgate"),
-    ("csa", "indexer", "wq_b"), ("csa", "indexer", "weights_proj"), ("csa", "indexer", "compressor", "wkv"),
+# scan: the FP8 linears of `NATIVE_QUANT` when held as floats, the router, the indexer's head
+# weights and the compressors. The other weights are kernel operands (the routed experts and wo_a
+# go to the grouped matmul, a QuantizedWeight's arrays to the FP8 / FP4 kernels) or are gathered
+# (embed).
+_PRODUCT_STACKS = frozenset({path for path, fmt in NATIVE_QUANT.items() if fmt == "fp8"} | {
+    ("layers", "ffn", "gate"), ("csa", "indexer", "weights_proj"),
+    ("csa", "compressor", "wkv"), ("csa", "compressor", "wgate"), ("csa", "indexer", "compressor", "wkv"),
     ("csa", "indexer", "compressor", "wgate"), ("hca", "compressor", "wkv"), ("hca", "compressor", "wgate"),
 })
 
