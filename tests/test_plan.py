@@ -192,7 +192,8 @@ def test_cost_counts_the_rows_a_gather_reads(target, monkeypatch):
 def test_cost_counts_kernels_by_their_declared_cost(target):
     """A Pallas kernel counts as its declared pl.CostEstimate (TPU: from its backend config; GPU:
     from its op_name, where jax's lowering drops it); a grouped matmul under moe.ROUTED_SCOPE
-    (the routed experts) has `unchosen_bytes` taken off, one outside it (wo_a) not."""
+    (the routed experts) has `unchosen_bytes` taken off and its flops scaled by
+    `routed_flop_share` of its output's shape, one outside it (wo_a) not."""
     import jax
     import jax.numpy as jnp
 
@@ -208,13 +209,58 @@ def test_cost_counts_kernels_by_their_declared_cost(target):
     args = (jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), stack, stack, jax.ShapeDtypeStruct((8,), jnp.int32))
     compiled = aot.compile_for(target, jax.jit(f), *args).compiled
     platform = aot.target(target).platform
-    declared = [float(m.group(2)) for line in compiled.as_text().splitlines() if "custom-call(" in line
-                for m in [plan._DECLARED.search(line) or plan.DECLARED_COST.search(line)] if m]
+    calls = [m for line in compiled.as_text().splitlines() if "custom-call(" in line
+             for m in [plan._DECLARED.search(line) or plan.DECLARED_COST.search(line)] if m]
+    declared, flops = [float(m.group(2)) for m in calls], [float(m.group(1)) for m in calls]
     assert len(declared) == 2 and declared[0] >= 8 * 256 * 256 * 2  # every expert's weight, at least
     full = plan.program_cost(compiled.as_text(), 0, None, platform)
-    less = plan.program_cost(compiled.as_text(), 0, None, platform, unchosen_bytes=1e5)
-    assert full["bytes_accessed"] >= sum(declared)
+    shapes = []
+    less = plan.program_cost(compiled.as_text(), 0, None, platform, unchosen_bytes=1e5,
+                             routed_flop_share=lambda m, n: shapes.append((m, n)) or 0.25)
+    assert full["bytes_accessed"] >= sum(declared) and full["flops"] >= sum(flops) > 0
     assert full["bytes_accessed"] - less["bytes_accessed"] == pytest.approx(1e5)
+    assert shapes == [(64, 256)] and full["flops"] - less["flops"] == pytest.approx(0.75 * flops[0])
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "h200x8"])
+def test_routed_flop_share_is_what_the_kernel_computes(tmp_path, target):
+    """routed_flop_share, the share of a routed grouped matmul's declared flops dsv4-plan counts,
+    against the steps the kernel computes (its own step metadata) for uniformly drawn routings of
+    every device's tokens, at decode and prefill sizes: within 5 % of their mean. Below 1, since
+    the kernel declares every step its buffer could need."""
+    import numpy as np
+
+    from dsv4_jax.model import sharding
+    from dsv4_jax.model.moe import exchange_rows
+    from pallas_kernels import grouped_matmul_gpu, grouped_matmul_tpu
+
+    s = plan.setup(_config(tmp_path, SMALL, "small"), target, None, None, None, "native")
+    cfg, platform = s.cfg, aot.target(target).platform
+    devices, k = s.shards(sharding.EXPERTS), cfg.num_experts_per_tok
+    local = cfg.n_routed_experts // devices
+    assert plan.expert_exchange_of(cfg, s.mesh) == "ragged_all_to_all"
+    rng = np.random.default_rng(0)
+    for tokens in (1, 64, 512):
+        T = plan.local_tokens(s, tokens)
+        m, n, width = exchange_rows(T, k, devices), cfg.moe_intermediate_size, cfg.hidden_size
+        if platform == "tpu":
+            tm = grouped_matmul_tpu.tiles(m, n, width, local, "fp4", 2, 1)[0]
+            declared = grouped_matmul_tpu.max_steps(-(-m // tm), m, local)
+        else:
+            tm = grouped_matmul_gpu.tiles(m, local, "fp4").tm
+            declared = grouped_matmul_gpu.max_steps(m, local, tm) - 1
+        steps = []
+        for _ in range(200):
+            chosen = np.argsort(rng.random((devices * T, cfg.n_routed_experts)), axis=1)[:, :k]
+            sizes = np.bincount(chosen.ravel(), minlength=cfg.n_routed_experts).reshape(devices, local)
+            for g in sizes:  # one device's receive buffer: its experts' rows, by expert
+                ends = np.cumsum(g)
+                if platform == "tpu":  # a tile shared by two groups is a step for each
+                    steps.append(sum((e - 1) // tm - (e - r) // tm + 1 for e, r in zip(ends, g) if r))
+                else:  # each group's tiles start at its first row
+                    steps.append(sum(-(-r // tm) for r in g))
+        share = plan.routed_flop_share(s, tokens, platform)(m, n)
+        assert share < 1 and share == pytest.approx(np.mean(steps) / declared, rel=0.05), (tokens, tm)
 
 
 def test_full_size_configs():

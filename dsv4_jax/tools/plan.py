@@ -75,7 +75,8 @@ from dsv4_jax.model.moe import ROUTED_SCOPE, exchange_rows, expert_exchange as e
 from dsv4_jax.model.params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from dsv4_jax.model.presets import PRESETS, preset  # noqa: E402
 from dsv4_jax.model.quantized import QuantizedWeight, storage_shapes  # noqa: E402
-from pallas_kernels import fp8_activations_gpu, fp8_activations_tpu  # noqa: E402
+from pallas_kernels import (fp8_activations_gpu, fp8_activations_tpu, grouped_matmul_gpu,  # noqa: E402
+                            grouped_matmul_tpu)
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
 
 WEIGHT_DTYPES = ("native", "bfloat16")
@@ -251,9 +252,10 @@ def compile_step(s: Setup, max_len: int, tokens: int) -> Compiled:
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             return Compiled(None, None, str(e).strip().splitlines()[0][:300])
         raise
+    platform = aot.target(s.target).platform
     return Compiled(result.memory, program_cost(result.compiled.as_text(), EXCHANGE_ROUNDS,
-                                                branch_shares(s.cfg), aot.target(s.target).platform,
-                                                unchosen_expert_bytes(s, tokens)),
+                                                branch_shares(s.cfg), platform, unchosen_expert_bytes(s, tokens),
+                                                routed_flop_share(s, tokens, platform)),
                     cache_padding=layout_padding(cache, result.compiled.input_formats[0][1]))
 
 
@@ -551,7 +553,7 @@ def _gather_overcount(mod: "_Module", line: str) -> float:
 
 
 def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = None, platform: str = "tpu",
-                 unchosen_bytes: float = 0.0) -> dict:
+                 unchosen_bytes: float = 0.0, routed_flop_share=None) -> dict:
     """Flops and bytes accessed per device of a compiled program (its optimized HLO `text`), by
     XLA's HloCostAnalysis of each computation, combined so that every loop counts as often as
     it runs: a while body times its trip count (`dynamic_trips`, the caller's expectation, for a
@@ -564,7 +566,11 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     where none is declared (the Mosaic GPU kernels), its operands' and result's bytes and no
     flops. The routed experts' grouped matmul (its calls under `moe.ROUTED_SCOPE`) declares the
     bytes of as many experts as could be chosen; `unchosen_bytes`, the caller's expectation of
-    those no row chooses (`unchosen_expert_bytes`), comes off each such call. On GPU an in-place
+    those no row chooses (`unchosen_expert_bytes`), comes off each such call. It also declares
+    the flops of every step its grid could compute, over every row of its buffer, while it
+    computes only the steps of the rows that arrive: `routed_flop_share(m, n)`, the caller's
+    expectation of that share for a call with output `[m, n]` (`routed_flop_share`), scales
+    each such call's flops (None: as declared). On GPU an in-place
     scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`), and a fusion that gathers rows out of a parameter those rows, not the
     whole parameter (`_gather_overcount`; a TPU gather fusion is counted by its rows already).
@@ -588,6 +594,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                     out += [flops, float(declared.group(2)), 0.0, flops if any(k in line for k in FP8_KERNELS) else 0.0]
                     if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
                         out[1] -= unchosen_bytes
+                        if routed_flop_share is not None:
+                            m, n = _dims(line.split(" custom-call(")[0].split(" = ", 1)[1])
+                            out[0] -= flops * (1.0 - routed_flop_share(m, n))
                 else:
                     out[1] += _shape_bytes(line.split("custom_call_target=")[0])
                 continue
@@ -672,6 +681,62 @@ def unchosen_expert_bytes(s: Setup, tokens: int) -> float:
         rows = exchange_rows(local_tokens(s, tokens), cfg.num_experts_per_tok, s.shards(sharding.EXPERTS))
     declared = min(local, rows)
     return max(declared - local * chosen_share(cfg, token_count), 0.0) * per_expert
+
+
+def _above(mean: float, var: float, x: float) -> float:
+    """P(X > x) for an integer X of `mean` and `var`, in the normal approximation."""
+    if var <= 0:
+        return float(mean > x)
+    return 0.5 * math.erfc((x + 0.5 - mean) / math.sqrt(2 * var))
+
+
+def routed_flop_share(s: Setup, tokens: int, platform: str):
+    """(m, n) -> the share of the declared flops of a routed-experts grouped-matmul call with
+    output `[m, n]` that its computing steps are expected to run, under uniform routing. The
+    kernel declares a product of TM rows for every step its grid holds: a row tile of its M rows
+    each, plus one for each of the min(E, M) groups that could start inside a tile
+    (`grouped_matmul_tpu.max_steps`, `grouped_matmul_gpu.max_steps`), TM its own choice for the
+    call's shapes. It multiplies only on the steps of the groups with rows; the rest of its
+    buffer (a round of the ragged exchange holds EXCHANGE_CAPACITY times the rows a device
+    receives on average; the gathered tokens' pairs of other devices' experts sort past every
+    group) is zeroed. Of the G tokens whose pairs a device's E_l experts see, each sends it the
+    pairs of its k choices that fall among them; the groups with rows are E_l `chosen_share`(G).
+    On TPU a tile shared by two groups is a step of each: those plus one step for each tile
+    boundary inside the rows received, R; on GPU each group's tiles start at its first row:
+    ceil(r / TM) steps for a group of r rows. R and r are counted in the normal approximation of
+    their sums over the G tokens."""
+    cfg = s.cfg
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    local = E // s.shards(sharding.EXPERTS)
+    G = expert_tokens(s, tokens)
+    p = local / E
+    # R: per token, its k distinct choices falling among the E_l (hypergeometric); r: one expert's
+    received = (G * k * p, G * k * p * (1 - p) * (E - k) / max(E - 1, 1))
+    one = (G * k / E, G * (k / E) * (1 - k / E))
+    chosen = local * chosen_share(cfg, G)
+    # each call's contracted width K, by its output width N: w1 and w3 [.., N, K], w2 [.., K, N]
+    widths = {}
+    for name in ("w1", "w2"):
+        w = s.params["layers"]["ffn"][name]
+        values = w.values if isinstance(w, QuantizedWeight) else w
+        n, kv = values.sharding.shard_shape(values.shape)[-2:]
+        fmt = w.fmt if isinstance(w, QuantizedWeight) else None
+        # (x reaches the kernel in the weight's compute dtype: moe._pair_outputs)
+        widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize)
+
+    def share(m: int, n: int) -> float:
+        k_in, fmt, x_itemsize, w_itemsize = widths[n]
+        if platform == "tpu":
+            tm = grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize)[0]
+            declared = grouped_matmul_tpu.max_steps(-(-m // tm), m, local)
+            steps = chosen + sum(_above(*received, b * tm) for b in range(1, -(-m // tm)))
+        else:
+            tm = grouped_matmul_gpu.tiles(m, local, fmt).tm
+            declared = grouped_matmul_gpu.max_steps(m, local, tm) - 1
+            steps = chosen + local * sum(_above(*one, b * tm) for b in range(1, -(-m // tm)))
+        return min(1.0, steps / declared)
+
+    return share
 
 
 # ---- the bytes a step cannot avoid --------------------------------------------------------------
