@@ -1,6 +1,6 @@
-"""The hot spots of DeepSeek-V4 (sparse attention, the KV compressor, matmuls by the published
-FP8/FP4 weights, with the activations as they are or quantized to FP8 as the reference does,
-the hyper-connections' passes over the streams):
+"""The hot spots of DeepSeek-V4 (sparse attention, the lightning indexer's scores, the KV
+compressor, matmuls by the published FP8/FP4 weights, with the activations as they are or
+quantized to FP8 as the reference does, the hyper-connections' passes over the streams):
 Pallas kernels with a choice of implementation (`impl`: "pallas", "ref", "auto"), and their
 plain-JAX references (`*_ref`)."""
 
@@ -12,6 +12,8 @@ from .grouped_matmul import grouped_matmul
 from .grouped_matmul_ref import grouped_matmul_ref
 from .hyper_connection import hc_collapse, hc_expand
 from .hyper_connection_ref import hc_collapse_ref, hc_expand_ref
+from .indexer_scores import indexer_scores
+from .indexer_scores_ref import indexer_scores_ref
 from .quantized_matmul import quantized_matmul
 from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
@@ -19,6 +21,7 @@ from .sparse_attention_ref import sparse_attention_ref
 
 __all__ = ["act_quant", "act_quant_rounded", "compress", "compress_ref", "fp8_activation_matmul", "fp8_activation_matmul_ref",
            "grouped_matmul", "grouped_matmul_ref", "hc_collapse", "hc_collapse_ref", "hc_expand", "hc_expand_ref",
+           "indexer_scores", "indexer_scores_ref",
            "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
            "sparse_attention_ref"]
 

@@ -58,15 +58,19 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     # ratio-128 one.
     # The grouped matmul kernel: the routed experts of the three kinds, and the output projection's
     # wo_a (once, outside the layer-kind switch).
-    # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row).
+    # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row),
+    # and the ratio-4 branch scores its cached keys and the chunk's own by the indexer's kernel (on
+    # TPU XLA computes the scores).
     cuda = aot.target(target).platform == "cuda"
     grouped = ["dsv4_grouped_matmul" + ("_gpu" if cuda else "")] * 4
     attention = "dsv4_sparse_attention" + ("_fp8" if cuda and kv_cache_dtype == "fp8" else "")
-    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3)
+    scores = ["dsv4_indexer_scores_gpu"] * 2 if cuda else []
+    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores)
     if kv_cache_dtype == "fp8":
         # No XLA op decodes K=V records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
         # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The
-        # indexer's keys, 128 values, are decoded for its scores, which XLA computes.)
+        # indexer's cached keys, 128 values, are decoded in XLA for its scores on TPU, by the
+        # scores' kernel on CUDA.)
         nope = cfg.head_dim - cfg.rope_head_dim
         text = result.compiled.as_text()
         shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", text)]

@@ -12,6 +12,7 @@ import sys
 
 from pallas_kernels import fp8_activations_gpu as fag
 from pallas_kernels import grouped_matmul_gpu as gmg
+from pallas_kernels import indexer_scores_gpu as isg
 from pallas_kernels import quantized_matmul_gpu as qmg
 from dsv4_jax.tools import kernel_report as report
 
@@ -28,14 +29,15 @@ def test_report_prints_compiler_facts():
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(run.stdout)
     tpu_only = [c for c in report.CASES if c.startswith("hc_")]  # no GPU kernel: no record on the H100
+    gpu_only = [c for c in report.CASES if c.startswith("indexer_scores/")]  # XLA's own on TPU
     assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES
-                                                           if t == "v5p-8" or c not in tpu_only]
+                                                           if c not in (gpu_only if t == "v5p-8" else tpu_only)]
     by = {(r["target"], r["case"]): r for r in records}
     matmuls = [c for c in report.CASES if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "fp8_activation_matmul")]
     fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
     for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
         # the attention over FP8 records, "..._fp8"
-        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records
+        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only
         suffix = ("_fp8" if r["case"] in fp8_records else "_gpu") if triton else ""
         assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + suffix
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
@@ -63,7 +65,8 @@ def test_report_prints_compiler_facts():
         assert r["minimum_bytes"] <= r["declared_cost"]["bytes_accessed"] < 1.1 * r["minimum_bytes"]
     assert gpu8["spill_bytes"] == {"stores": 0, "loads": 0}
     for case in report.CASES:
-        assert by["v5p-8", case]["vmem_bytes"] > 0 and (case in tpu_only or by["h100x1", case]["registers"] > 0)
+        assert case in gpu_only or by["v5p-8", case]["vmem_bytes"] > 0
+        assert case in tpu_only or by["h100x1", case]["registers"] > 0
     # The hyper-connections' kernels declare at least the streams, fn, the per-token weights and
     # the outputs; the program around them moves less than half the streams' bytes more (the small
     # per-token weights re-laid out), so the streams themselves are not re-laid out.
@@ -108,6 +111,20 @@ def test_report_prints_compiler_facts():
         assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
         assert r["declared_cost"]["flops"] >= 2 * m * n * k
         assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+    # The indexer's scores: a program per (row, query tile, key tile), each key read once (at
+    # decode, every byte once: the minimum), no spills.
+    for case in gpu_only:
+        r = by["h100x1", case]
+        b, t, n = (r["shapes"][d] for d in "BTN")
+        tt, tn = isg.tiles(t, "bfloat16")
+        assert sorted(r["grid"]) == sorted([b, -(-t // tt), -(-n // tn)])
+        assert r["arch"] == "sm_90a" and 0 < r["smem_bytes"] <= 227 * 1024
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
+        declared = isg.cost_estimate(b, t, r["shapes"]["H"], n, r["shapes"]["D"], "bfloat16")
+        assert r["declared_cost"] == {"flops": declared.flops, "bytes_accessed": declared.bytes_accessed}
+        assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+    assert by["h100x1", "indexer_scores/decode-1m"]["declared_cost"]["bytes_accessed"] == \
+        by["h100x1", "indexer_scores/decode-1m"]["minimum_bytes"]
     # FP8 at decode (8 rows: one row tile, 256 column tiles): HBM bytes are the minimum, the weight
     # once, x once (its re-reads by the column tiles come from L2), the output once.
     decode8 = by["h100x1", "fp8_matmul/4096x4096-decode8"]

@@ -28,7 +28,8 @@ from dsv4_jax.model.linear import dense  # noqa: E402
 from dsv4_jax.model.config import ModelConfig, Yarn  # noqa: E402
 from dsv4_jax.model.layer_kinds import BY_RATIO, CSA, HCA  # noqa: E402
 from dsv4_jax.model.hyper_connection import hc_head, hc_post, hc_pre  # noqa: E402
-from dsv4_jax.model.indexer import indexer_scores, select_topk  # noqa: E402
+from dsv4_jax.model.indexer import select_topk  # noqa: E402
+from pallas_kernels import indexer_scores_ref  # noqa: E402
 from dsv4_jax.model.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
                           shared_expert)
 from pallas_kernels.numerics import apply_rope
@@ -368,7 +369,7 @@ def test_indexer_topk_sets(name, S):
     """indexer_select vs DeepseekV4Indexer.forward (cache=None), with S long enough that top-k is
     smaller than the number of visible entries for the later queries.
 
-    Compared: the scores (indexer_scores vs the scorer's output) on visible entries, 1e-5
+    Compared: the scores (indexer_scores_ref vs the scorer's output) on visible entries, 1e-5
     relative (fp32 dot products over index_head_dim, ReLU and a head-weighted sum; observed
     <= 4e-7); the -1 slots
     exactly; the SETS of valid entries per query exactly, except where two candidates' scores
@@ -404,7 +405,7 @@ def test_indexer_topk_sets(name, S):
     q = apply_rope((_j(q_res) @ ip["wq_b"].T).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim),
                    cos[:, None, :], sin[:, None, :])
     w = (_j(x) @ ip["weights_proj"].T) * cfg.index_n_heads ** -0.5
-    scores = _n(indexer_scores(q, keys, w))
+    scores = _n(indexer_scores_ref(q, keys, w))
     scores_t = _n(store["scores"])
     vis_mask = np.arange(n)[None, :] < visible[:, None]  # [S, n]
     assert_close(np.where(vis_mask, scores, 0), np.where(vis_mask, scores_t, 0), 1e-5, "indexer scores")

@@ -1,5 +1,6 @@
-"""The model with attention_impl="pallas" (the Mosaic TPU kernels, interpreted on CPU) against the
-plain-JAX references: same logits (fp32, 1e-5 of the logit range: only summation order differs)
+"""The model with attention_impl="pallas" (the kernels interpreted on CPU: the Mosaic TPU ones, and
+the Pallas-Triton kernel of the indexer's scores, which runs on GPU only) against the plain-JAX
+references: same logits (fp32, 1e-5 of the logit range: only summation order differs)
 and the same greedy tokens."""
 
 import numpy as np

@@ -29,7 +29,7 @@ from pallas_kernels.numerics import apply_rope, rms_norm, unweighted_rms_norm
 from . import xla_cpu
 from .config import ModelConfig
 from .layer_kinds import BY_RATIO, CSA
-from .indexer import indexer_scores, select_topk
+from .indexer import select_topk
 from .layer_weights import LayerSlice, own_weight, with_weight
 from .linear import dense, weight_array
 from .rope import cos_sin
@@ -324,15 +324,19 @@ def indexer_logits(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray,
     entry order, the pool's and the chunk's (visible or not: `visible_entries` says which count).
 
     x `[B, T, D]`, c_q `[B, T, Q]`, cos/sin `[B, T, rope/2]` at the query positions, keys_pool
-    `[B, P, dI]` the cached keys, new_keys `[B, n, dI]` the chunk's (its indexer compressor's
-    entries, as compress_chunk gives them), p0 `[B]` the rows' first positions."""
+    `[B, P, dI]` the cached keys (or their FP8 records, words `[B, P, W]`: the scores decode
+    them, on GPU as the kernel loads them), new_keys `[B, n, dI]` the chunk's (its indexer
+    compressor's entries, as compress_chunk gives them), p0 `[B]` the rows' first positions."""
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
-    return _over_pool(indexer_scores(q, keys_pool, w), indexer_scores(q, new_keys, w), p0 // CSA, axis=2)
+    rows = (BATCH, None, None)
+    scores = per_device(cfg, partial(pallas_kernels.indexer_scores, impl=cfg.attention_impl),
+                        ((BATCH, None, None, None), rows, rows), rows)
+    return _over_pool(scores(q, keys_pool, w), scores(q, new_keys, w), p0 // CSA, axis=2)
 
 
 def indexer_select(scores: jnp.ndarray, p0: jnp.ndarray, pool_rows: int, cfg: ModelConfig) -> jnp.ndarray:

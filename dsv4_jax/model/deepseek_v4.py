@@ -248,8 +248,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
 
     def own_choice(keys):
         """This layer's indexer scores of every entry `[B, T, N]` and its top-k ids `[B, T, K]`."""
-        pool = kv_record.read(pool_view(caches["indexer"]["pool"], lay.index_local, ch.blocks, ch.groups),
-                              *_key_dims(cfg), keys.dtype)
+        pool = pool_view(caches["indexer"]["pool"], lay.index_local, ch.blocks, ch.groups)  # records: decoded as scored
         scores = attention.indexer_logits(own["indexer"], x, c_q, lay.cos, lay.sin, pool, keys, ch.p0, cfg)
         return scores, attention.indexer_select(scores, ch.p0, pool.shape[1], cfg)
 

@@ -2,23 +2,14 @@
 
 score[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]) / sqrt(index_head_dim), with
 w = weights_proj(x) / sqrt(index_n_heads), all in fp32. Entry j is visible to the query at
-absolute position t iff j < (t + 1) // ratio.
+absolute position t iff j < (t + 1) // ratio. The scores themselves are
+`pallas_kernels.indexer_scores` (a kernel on GPU); here the choice from them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-
-def indexer_scores(q: jnp.ndarray, keys: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
-    """q `[B, T, HI, dI]`, keys `[B, N, dI]`, weights `[B, T, HI]` (already / sqrt(HI)) ->
-    scores fp32 `[B, T, N]`."""
-    # keys as the left operand, its rows contracted along their last (contiguous) axis: with the
-    # keys on the right XLA:CPU first copied the whole key pool transposed, on every decode step
-    s = jnp.einsum("bnd,bthd->bnth", keys.astype(jnp.float32), q.astype(jnp.float32))
-    s = jax.nn.relu(s) * (q.shape[-1] ** -0.5)
-    return jnp.einsum("bnth,bth->btn", s, weights.astype(jnp.float32))
 
 
 def select_topk(scores: jnp.ndarray, n_visible: jnp.ndarray, k: int) -> jnp.ndarray:

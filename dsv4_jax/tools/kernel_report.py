@@ -4,7 +4,7 @@ DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and 
 Each kernel is compiled ahead of time (dsv4_jax.tools.aot; the `aot` extra, no accelerator needed) for
 TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 and grouped matmuls: their Mosaic TPU kernels on
 TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA; the hyper-connections' kernels on TPU
-only), and the record holds:
+only, the indexer's scores on CUDA only), and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
@@ -25,7 +25,8 @@ only), and the record holds:
     indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
     first halves, cos, sin, the norm weight and the output; FP8 matmul: the stored weight, values
     and scales, x and the output; grouped matmul: the stored bytes of min(E, M) experts, x and
-    the output; hyper-connections: the streams, fn, the per-token weights and the outputs).
+    the output; hyper-connections: the streams, fn, the per-token weights and the outputs;
+    indexer scores: the queries, the keys, the weights and the scores).
 Usage: python -m dsv4_jax.tools.kernel_report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
@@ -52,6 +53,7 @@ from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa
 from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
+from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 
@@ -156,6 +158,16 @@ def _hc_case(kind: str, tokens: int, batch: int) -> dict:
             "shapes": {"B": batch, "S": tokens, "hc": HC, "D": HIDDEN, "x": "bfloat16"}}
 
 
+def _indexer_scores_case(t: int, n: int) -> dict:
+    """Flash's lightning indexer (64 heads of 128, bf16) scoring n keys for t queries: a decode
+    step against a 1M-token context (262,144 keys) or a 512-token prefill chunk (2,176 keys). On
+    TPU XLA fuses the scores' epilogue into the product: no kernel there."""
+    args = (S((1, t, H, D_INDEX), BF16), S((1, n, D_INDEX), BF16), S((1, t, H), F32))
+    minimum = 2 * (t * H * D_INDEX + n * D_INDEX) + 4 * (t * H + t * n)
+    return {"fn": {"cuda": indexer_scores_gpu}, "args": args, "minimum_bytes": minimum,
+            "shapes": {"B": 1, "T": t, "H": H, "D": D_INDEX, "N": n, "q, keys": "bfloat16"}}
+
+
 # A case's "fn" is one function for every platform (attention and compressors: their entry
 # points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function} (a
 # platform not named has no such kernel: no record; the hyper-connections have none on CUDA).
@@ -178,6 +190,8 @@ CASES = {
     "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
+    "indexer_scores/decode-1m": lambda: _indexer_scores_case(1, 262144),
+    "indexer_scores/prefill": lambda: _indexer_scores_case(PREFILL, PREFILL // 4 + 2048),
     "hc_collapse/decode8": lambda: _hc_case("collapse", 1, 8),
     "hc_collapse/prefill": lambda: _hc_case("collapse", PREFILL, 1),
     "hc_expand/decode8": lambda: _hc_case("expand", 1, 8),
