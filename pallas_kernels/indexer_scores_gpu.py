@@ -46,18 +46,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import kv_record
 from ._dispatch import declared_cost_scope
-from .quantized_matmul_gpu import L2_BYTES
+from .quantized_matmul_gpu import L2_BYTES, MIN_ROWS, _pow2_at_least  # the MMA's smallest tile side
 from .sparse_attention_fp8_gpu import _e4m3, _join  # the records' decode in registers
 
 KERNEL_NAME = "dsv4_indexer_scores_gpu"
-MIN_ROWS = 16  # the MMA's smallest tile side
 MAX_TT = 64
 BF16_TN = 64
 FP32_TN = 32
-
-
-def _pow2_at_least(v: int, lo: int) -> int:
-    return max(lo, 1 << max(v - 1, 0).bit_length())
 
 
 def tiles(t: int, dtype) -> tuple[int, int]:
