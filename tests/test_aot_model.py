@@ -225,6 +225,26 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     ragged = expert_exchange(s.cfg, s.mesh) == "ragged_all_to_all"
     assert ragged == (layout == "dp_attention")
     assert ("ragged-all-to-all" in result.compiled.as_text()) == ragged
+    if ragged:
+        _rows_arrive_grouped(s, result.compiled.as_text(), tokens)
+
+
+def _rows_arrive_grouped(s, text: str, tokens: int):
+    """In the ragged exchange, the rows a device receives arrive in its experts' groups and the
+    outputs leave from there (`moe._exchanged`): no computation that runs the grouped matmul
+    and the all-to-all sorts or gathers anything of the received buffer's C rows."""
+    from dsv4_jax.model.moe import exchange_rows
+    from dsv4_jax.tools import plan
+
+    capacity = exchange_rows(plan.local_tokens(s, tokens), s.cfg.num_experts_per_tok,
+                             s.shards(dsv4_jax.model.sharding.EXPERTS))
+    module = plan._Module(text)
+    rounds = [lines for lines in module.comps.values()
+              if any("ragged" in line for line in lines) and any("grouped_matmul" in line for line in lines)]
+    assert rounds
+    # (a sort of C keys, or a gather of C rows)
+    of_buffer = re.compile(rf"%[\w.\-]*(sort[\w.\-]* = \(?\w+\[{capacity}\]|gather[\w.\-]* = \w+\[{capacity},)")
+    assert not [line for lines in rounds for line in lines if of_buffer.search(line)]
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "tpu7x-8", "h200x8"])

@@ -259,41 +259,55 @@ def test_quantized_dense_runs_the_kernel_per_device(layout, axes, kernel, fp8_ac
 
 def _ragged_all_to_all_twin(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """`jax.lax.ragged_all_to_all` as its documentation defines it, by all-gathers (XLA:CPU has no
-    ragged all-to-all): sender s's rows input_offsets[s][d] .. + send_sizes[s][d] land in device
-    d's output at output_offsets[s][d]; rows no sender writes keep `output`'s values."""
+    ragged all-to-all): N slices per sender, slice i going to device i // (N / devices): sender
+    s's rows input_offsets[s][i] .. + send_sizes[s][i] land in that device's output at
+    output_offsets[s][i]; rows no sender writes keep `output`'s values."""
     me = jax.lax.axis_index(axis_name)
     rows, start, size, src = (jax.lax.all_gather(a, axis_name, axis=0, tiled=False)
                               for a in (operand, output_offsets, send_sizes, input_offsets))
-    start, size, src = start[:, me], size[:, me], src[:, me]  # what each sender sends me
-    assert recv_sizes.shape == size.shape
+    n, per_device = rows.shape[0], input_offsets.shape[0] // rows.shape[0]
+    assert input_offsets.shape[0] == n * per_device and recv_sizes.shape == input_offsets.shape
+
+    def to_me(a):  # [sender, slice] -> the slices each sender sends me, flat `[n per_device]`
+        return jax.lax.dynamic_slice_in_dim(a, me * per_device, per_device, axis=1).reshape(-1)
+
+    start, size, src = to_me(start), to_me(size), to_me(src)
+    sender_of = jax.numpy.arange(n * per_device) // per_device
     r = jax.numpy.arange(output.shape[0])
-    hit = (r[None] >= start[:, None]) & (r[None] < (start + size)[:, None])  # [sender, output row]
-    sender = jax.numpy.argmax(hit, axis=0)
-    at = jax.numpy.clip(src[sender] + r - start[sender], 0, operand.shape[0] - 1)
+    hit = (r[None] >= start[:, None]) & (r[None] < (start + size)[:, None])  # [slice, output row]
+    piece = jax.numpy.argmax(hit, axis=0)
+    at = jax.numpy.clip(src[piece] + r - start[piece], 0, operand.shape[0] - 1)
     written = hit.any(axis=0).reshape((-1,) + (1,) * (output.ndim - 1))
-    return jax.numpy.where(written, rows[sender, at], output)
+    return jax.numpy.where(written, rows[sender_of[piece], at], output)
 
 
-def test_ragged_all_to_all_twin():
-    """The twin on expert=4 against hand-placed rows: device d sends d + 1 rows to each device."""
+@pytest.mark.parametrize("per_device", [1, 3])
+def test_ragged_all_to_all_twin(per_device):
+    """The twin on expert=4 against hand-placed rows: device d sends d + 1 rows in each of
+    per_device slices to each device, each receiver's stream ordered by slice, then by sender."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    n = 4
+    n, N = 4, 4 * per_device
     mesh = jax.make_mesh((n, 2), ("expert", "data"))
-    send = np.array([[d + 1] * n for d in range(n)], np.int32)  # [sender, receiver]
-    operand = np.arange(n * 16, dtype=np.float32).reshape(n, 16)  # sender d's rows: 16 d + i
+    send = np.array([[d + 1] * N for d in range(n)], np.int32)  # [sender, slice]: slice i to device i // per_device
+    operand = np.arange(n * 64, dtype=np.float32).reshape(n, 64)  # sender d's rows: 64 d + i
     in_off = np.cumsum(send, axis=1) - send
-    out_off = (np.cumsum(send, axis=0) - send)  # [sender, receiver]
+    j = np.arange(N) % per_device  # each slice's place among its receiver's slices
+    out_off = np.array([[sum(send[:, (i // per_device) * per_device + jj].sum() for jj in range(j[i]))
+                         + send[:s, i].sum() for i in range(N)] for s in range(n)], np.int32)
+    recv = np.array([[send[s, d * per_device + jj] for s in range(n) for jj in range(per_device)]
+                     for d in range(n)], np.int32)
 
     def local(op, io, ss, oo, rs):
-        return _ragged_all_to_all_twin(op[0], jax.numpy.full((16,), -1.0), io[0], ss[0], oo[0], rs[0],
+        return _ragged_all_to_all_twin(op[0], jax.numpy.full((40,), -1.0), io[0], ss[0], oo[0], rs[0],
                                        axis_name="expert")[None]
 
-    args = [operand, in_off, send, out_off, send.T.copy()]
+    args = [operand, in_off, send, out_off, recv]
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 5, out_specs=P("expert")))
     got = np.asarray(run(*[jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args]))
     for d in range(n):
-        want = [16 * s + in_off[s, d] + i for s in range(n) for i in range(send[s, d])]
+        want = [64 * s + in_off[s, i] + r for i in range(d * per_device, (d + 1) * per_device) for s in range(n)
+                for r in range(send[s, i])]
         np.testing.assert_array_equal(got[d, :len(want)], want)
         assert (got[d, len(want):] == -1).all()
 

@@ -131,14 +131,22 @@ def _grouped(x, experts, weights, w1, w2, w3, *, limit, layer=None, first_expert
 def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False,
                   impl="auto"):
     """The output of each (token, expert) pair of x `[T, D]` and experts `[T, k]`: the pairs' rows
-    sorted by expert, each group's rows multiplied by its expert's stored weights, read once per
-    chosen expert (none for an expert no row chose); products in the weights' compute dtype as
-    `expert` computes them. Returns (y `[T k, D]` in w2's dtype, in expert order; order `[T k]`,
-    the flattened pair of each row of y). The pairs of another device's experts sort past every
-    group, where the kernel's rows are 0 (so are their h and y)."""
+    sorted by expert and run by `_expert_rows`. Returns (y `[T k, D]` in w2's dtype, in expert
+    order; order `[T k]`, the flattened pair of each row of y). The pairs of another device's
+    experts sort past every group, where the kernel's rows are 0 (so are their h and y)."""
     E = w1.shape[0] if layer is None else w1.shape[1]
     order, _, group_sizes = _sorted_pairs(experts, E, first_expert)
-    hw = weights.reshape(-1)[order][:, None]
+    y = _expert_rows(x[order // experts.shape[1]], weights.reshape(-1)[order][:, None], group_sizes, w1, w2, w3,
+                     limit, layer, fp8_activations, impl)
+    return y, order
+
+
+def _expert_rows(xs, hw, group_sizes, w1, w2, w3, limit, layer, fp8_activations, impl):
+    """Rows xs `[R, D]` in groups by expert (group_sizes int32 `[E]`: the first rows expert 0's,
+    then expert 1's ..; rows past the groups are not run and come out 0), their routing weights
+    hw fp32 `[R, 1]`: each group's rows multiplied by its expert's stored weights, read once per
+    chosen expert (none for an expert no row chose), products in the weights' compute dtype as
+    `expert` computes them -> `[R, D]` in w2's dtype."""
 
     def gmm(rows, w):
         # (the scope names these calls in the compiled program: dsv4-plan counts the experts
@@ -146,9 +154,9 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
         with jax.named_scope(ROUTED_SCOPE):
             return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer, impl=impl)
 
-    xs = fp8_rounded(x[order // experts.shape[1]], fp8_activations)
+    xs = fp8_rounded(xs, fp8_activations)
     h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
-    return gmm(down_input(h, hw, w2.dtype, fp8_activations), w2), order
+    return gmm(down_input(h, hw, w2.dtype, fp8_activations), w2)
 
 
 # The rows a device takes per round of the ragged exchange, as a multiple of the T k pairs it
@@ -232,16 +240,18 @@ def _gathered(x, experts, weights, w1, w2, w3, layer, *, limit, ep, gather, fp8_
 
 
 def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activations, impl) -> jnp.ndarray:
-    """Per device: sends each of its (token, expert) pairs (the token's row of x `[T, D]`, the
-    expert id and routing weight) to the device on the `ep` axes that holds the expert, runs the
-    pairs it receives (`_pair_outputs`, one row per pair) and sends each pair's output back, where the
-    pairs of a token are summed in fp32: fp32 `[T, D]`.
+    """Per device: sends each of its (token, expert) pairs (the token's row of x `[T, D]` and its
+    routing weight) to the device on the `ep` axes that holds the expert, runs the pairs it
+    receives (`_expert_rows`, one row per pair) and sends each pair's output back, where the pairs
+    of a token are summed in fp32: fp32 `[T, D]`.
 
-    In rounds of at most C = EXCHANGE_CAPACITY T k received rows per device (static shapes): the
-    rows every device sends device d are d's stream (senders in order), and round r moves its
-    rows r C .. (r + 1) C - 1; every device knows every stream's length (an all-gather of the
-    counts), so all run the same number of rounds, ceil(longest stream / C). Buffer rows no one
-    sent keep expert id -1, which sorts them past every group (the kernel reads nothing for them)."""
+    The pairs go as one slice per (sender, expert), each written where it belongs in its
+    receiver's buffer: a device's stream is its experts' rows in expert order, each expert's
+    rows by sender, so the rows arrive in the grouped product's order and leave from it (no sort
+    or gather of the rows on the receiving side). Every device knows every slice's size (an
+    all-gather of the pairs' counts per expert). In rounds of at most C = EXCHANGE_CAPACITY T k
+    received rows per device (static shapes): round r moves stream rows r C .. (r + 1) C - 1, and
+    all devices run the same number of rounds, ceil(longest stream / C)."""
     T, k = experts.shape
     local_experts = w1.shape[1]
     n = math.prod(jax.lax.axis_size(a) for a in ep)
@@ -249,28 +259,31 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
     capacity = exchange_rows(T, k, n)
     flat_e = experts.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # by expert, so by the device that holds it
-    send_sizes = jnp.zeros((n,), jnp.int32).at[flat_e // local_experts].add(1)
-    sizes = jax.lax.all_gather(send_sizes, ep, axis=0, tiled=False)  # [sender, receiver]
-    in_stream = jnp.cumsum(sizes, axis=0) - sizes  # where a sender's rows start in a receiver's stream
-    in_sent = jnp.cumsum(sizes, axis=1) - sizes  # where a receiver's rows start in a sender's sorted pairs
-    rounds = -(-jnp.max(jnp.sum(sizes, axis=0)) // capacity)
-    xs, es, hw = x[order // k].astype(w1.dtype), flat_e[order], weights.reshape(-1)[order]
+    counts = jax.lax.all_gather(jnp.zeros((n * local_experts,), jnp.int32).at[flat_e].add(1), ep, axis=0,
+                                tiled=False)  # [sender, expert]
+    totals = jnp.sum(counts, axis=0).reshape(n, local_experts)  # [device, local expert]
+    # where each (sender, expert) slice starts in its sender's sorted pairs and in its receiver's stream
+    in_sent = jnp.cumsum(counts, axis=1) - counts
+    in_stream = (jnp.cumsum(totals, axis=1) - totals).reshape(-1) + jnp.cumsum(counts, axis=0) - counts
+    rounds = -(-jnp.max(jnp.sum(totals, axis=1)) // capacity)
+    xs, hw = x[order // k].astype(w1.dtype), weights.reshape(-1)[order]
+
+    def mine(a):  # [sender, expert] -> the slices of my experts, by sender: `[n local_experts]`
+        return jax.lax.dynamic_slice_in_dim(a, me * local_experts, local_experts, axis=1).reshape(-1)
 
     def one_round(r, back):
-        lo = jnp.clip(r * capacity - in_stream, 0, sizes)  # [sender, receiver]: this round's rows
-        count = jnp.clip((r + 1) * capacity - in_stream, 0, sizes) - lo
+        lo = jnp.clip(r * capacity - in_stream, 0, counts)  # [sender, expert]: this round's rows
+        count = jnp.clip((r + 1) * capacity - in_stream, 0, counts) - lo
         sent_at, buffer_at = in_sent + lo, in_stream + lo - r * capacity
 
-        def there(rows, fill):  # this round's share of this device's sorted pairs to their devices
-            out = jnp.full((capacity,) + rows.shape[1:], fill, rows.dtype)
-            return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], count[:, me], axis_name=ep)
+        def there(rows):  # this round's slices of this device's sorted pairs, into their receivers' streams
+            out = jnp.zeros((capacity,) + rows.shape[1:], rows.dtype)
+            return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], mine(count), axis_name=ep)
 
-        y, by_expert = _pair_outputs(there(xs, 0), there(es, -1)[:, None], there(hw, 0)[:, None], w1, w2, w3,
-                                     limit, layer, me * local_experts, fp8_activations, impl)
-        # each pair's output back where it was sent from, in the order it came (a gather by the
-        # inverse of the expert order)
-        y = y[jnp.argsort(by_expert)]
-        return ragged_all_to_all(y, back, buffer_at[:, me], count[:, me], sent_at[:, me], count[me], axis_name=ep)
+        group_sizes = jnp.sum(mine(count).reshape(n, local_experts), axis=0)  # this round's rows per expert
+        y = _expert_rows(there(xs), there(hw)[:, None], group_sizes, w1, w2, w3, limit, layer, fp8_activations,
+                         impl)
+        return ragged_all_to_all(y, back, mine(buffer_at), mine(count), mine(sent_at), count[me], axis_name=ep)
 
     back = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((T * k, x.shape[1]), w2.dtype))
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(back.astype(jnp.float32))

@@ -721,7 +721,7 @@ def routed_flop_share(s: Setup, tokens: int, platform: str):
         values = w.values if isinstance(w, QuantizedWeight) else w
         n, kv = values.sharding.shard_shape(values.shape)[-2:]
         fmt = w.fmt if isinstance(w, QuantizedWeight) else None
-        # (x reaches the kernel in the weight's compute dtype: moe._pair_outputs)
+        # (x reaches the kernel in the weight's compute dtype: moe._expert_rows)
         widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize)
 
     def share(m: int, n: int) -> float:
