@@ -206,7 +206,8 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     column-parallel ones are split), the routed experts and wo_a through the grouped matmul
     kernel, the streams through the hyper-connections' kernels on TPU, and no instruction but a
     kernel's call touches a whole layer's (or expert's) weight:
-    no copy, re-layout or dequantization of one."""
+    no copy, re-layout or dequantization of one. Under dp_attention the routed experts' tokens go
+    by ragged all-to-all, their rows arriving in the kernel's groups (`_rows_arrive_grouped`)."""
     s, result = _compiled_small(tmp_path, target, layout, tokens)
     platform = aot.target(target).platform
     suffix = "_gpu" if platform == "cuda" else ""
