@@ -43,3 +43,10 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool
     # so a pair's second element reads its first one already rotated (seen as wrong queries in
     # the decode step of a layer stack of one kind, e.g. the MTP block's).
     return jnp.concatenate([x[..., :start], rotated], axis=-1)
+
+
+def rotate_heads(x: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], inverse: bool = False) -> jnp.ndarray:
+    """`apply_rope` on every head of x `[B, T, H, D]` at its token's position: rope = (cos, sin),
+    each `[B, T, rope/2]`."""
+    cos, sin = rope
+    return apply_rope(x, cos[..., None, :], sin[..., None, :], inverse=inverse)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import kv_record
+from .numerics import rotate_heads
 
 
-def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray, *,
-                         scale: float, rope_dim: int | None = None) -> jnp.ndarray:
+def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray,
+                         query_rope: tuple[jnp.ndarray, jnp.ndarray] | None = None, *, scale: float,
+                         rope_dim: int | None = None) -> jnp.ndarray:
     """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
     sink fp32 `[H]`. With rope_dim, kv is FP8 records instead, as uint32 words `[B, N, R / 4]`
     (`kv_record.to_words`) of D values whose last rope_dim are RoPE'd, read as the values they
@@ -22,7 +24,14 @@ def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, 
         o_h = sum_s exp(l_s - m) kv_s / (sum_s exp(l_s - m) + exp(sink_h - m)),  l_s = scale q_h.kv_s
 
     with the softmax and accumulation in fp32; a row with no valid key gives 0.
+
+    With query_rope = (cos, sin), fp32 `[B, T, rope/2]` each at the queries' positions, q comes
+    unrotated: its heads are rotated (`rotate_heads`) before the product and o rotated back after,
+    each rounded to q's dtype (the model's attention, whose queries and output are unrotated).
     """
+    if query_rope is not None:
+        return rotate_heads(sparse_attention_ref(rotate_heads(q, query_rope), kv, indices, sink, scale=scale,
+                                                 rope_dim=rope_dim), query_rope, inverse=True)
     if rope_dim is not None:
         kv = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32)
     valid = indices >= 0

@@ -33,6 +33,14 @@ q's column for each plane and word, zero where a plane has none), the logits are
 four planes' products and the output comes out as planes, which the wrapper puts back in order:
 no byte is moved between lanes in the kernel. Decoded values are e4m3 codes times powers of two
 and bf16 RoPE values: exact in bf16, so a bf16 q multiplies them on the MXU in bf16.
+
+Query rotation (query_rope given): q arrives unrotated and the kernel rotates it in VMEM, and
+rotates the output back before writing it, with the rounding of the reference's `rotate_heads`
+around the call. The wrapper hands each token its rope as lanes of q's columns (`_rope_lanes`:
+cos, and sin signed for the pair's role; 1 and 0 outside the RoPE dims), so a rotation is
+x cos + partner(x) sin, a column's partner being the other member of its pair: the lane beside it
+in rows, the same column of the other of planes 0 and 1 in records. In XLA the same rotation
+of q's last 64 dims of 512 re-lays the queries out with T minor, whole, around it.
 """
 
 from __future__ import annotations
@@ -102,8 +110,26 @@ def _record_planes(words, rows: _Rows):
     return planes
 
 
-def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc, *,
-            scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, rows: _Rows, mxu_dtype):
+def _rotated(x, cos, sin, records: bool):
+    """x fp32 `[P, H, W]` rotated by its rope lanes cos / sin `[P, 1, W]`: x cos + partner(x) sin."""
+    if records:  # planes 0 and 1 hold a pair's even and odd dim in the same column
+        partner = jnp.concatenate([x[1:2], x[:1], x[2:]], axis=0)
+    else:  # the pair's other dim is the next lane (even) or the previous one (odd)
+        rows = x[0]
+        lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+        n = rows.shape[1]
+        # Which of the two lane rotations brings lane i ^ 1 to lane i is read off the rotation of
+        # the lane numbers themselves, not assumed from its sign convention.
+        from_below = pltpu.roll(lane, 1, 1) == (lane ^ 1)
+        partner = jnp.where(from_below, pltpu.roll(rows, 1, 1), pltpu.roll(rows, n - 1, 1))[None]
+    return x * cos + partner * sin
+
+
+def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, rows: _Rows,
+            mxu_dtype, rotate: bool):
+    lanes_ref, *refs = refs if rotate else (None, *refs)
+    idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc = refs
+    records = rows.kind == "records"
     b = pl.program_id(0)
     t = pl.program_id(1)
     base = (b * t_len + t) * k_pad  # this token's first index in the flat SMEM array
@@ -159,6 +185,9 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
     l_sc[...] = jnp.ones_like(l_sc)  # exp(sink - m) with m = sink
     acc_sc[...] = jnp.zeros_like(acc_sc)
     q = q_ref[...]  # [P, H, C]: P planes of q's columns
+    if rotate:
+        cos, sin = lanes_ref[0][:, None], lanes_ref[1][:, None]  # [P, 1, C]
+        q = _rotated(q.astype(jnp.float32), cos, sin, records).astype(q_ref.dtype)
     if q.dtype != mxu_dtype:
         q = q.astype(mxu_dtype)
     # Stated, not left to jax_default_matmul_precision: Mosaic rejects an fp32-precision bf16 product.
@@ -191,7 +220,35 @@ def _kernel(idx_smem, q_ref, idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, 
             acc_sc[i] = alpha * acc_sc[i] + pv
         m_sc[...] = m_new
 
-    o_ref[...] = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
+    o = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
+    if rotate:  # back, at the query's position
+        o = _rotated(o.astype(jnp.float32), cos, -sin, records).astype(o_ref.dtype)
+    o_ref[...] = o
+
+
+def _rope_lanes(query_rope, d: int, record_words: tuple[int, int] | None):
+    """The rope of each token as lanes of q's columns, fp32 `[B, T, 2, P, W]`: cos, and sin signed
+    for the pair member (-sin on the even dim, +sin on the odd one); 1 and 0 on the other columns.
+    For rows `[B, T, 2, 1, D]`, the pairs in neighbouring lanes; for records (record_words: the
+    words of NoPE codes and all the words) the PLANES planes' columns, the RoPE words' columns
+    holding a pair's even dim in plane 0 and its odd dim in plane 1."""
+    cos, sin = query_rope
+    bsz, t_len, half = cos.shape
+
+    def const(value, n):
+        return jnp.full((bsz, t_len, n), value, jnp.float32)
+
+    if record_words is None:
+        planes = [([const(1, d - 2 * half), jnp.repeat(cos, 2, axis=-1)],
+                   [const(0, d - 2 * half), jnp.stack([-sin, sin], axis=-1).reshape(bsz, t_len, 2 * half)])]
+    else:
+        nope_words, words = record_words
+        rest = words - nope_words - half
+        pairs = [(cos, -sin), (cos, sin)] + [(const(1, half), const(0, half))] * (PLANES - 2)
+        planes = [([const(1, nope_words), c, const(1, rest)], [const(0, nope_words), s, const(0, rest)])
+                  for c, s in pairs]
+    return jnp.stack([jnp.stack([jnp.concatenate(p[i], axis=-1) for p in planes], axis=2) for i in range(2)],
+                     axis=2)
 
 
 def _record_columns(d: int, rope_dim: int) -> np.ndarray:
@@ -213,7 +270,7 @@ def records_supported(d: int, rope_dim: int) -> bool:
     return (d - rope_dim) % PLANES == 0 and rope_dim % 2 == 0
 
 
-def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None):
+def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None):
     bsz, t_len, h, d = q.shape
     k = indices.shape[-1]
     k_pad = pl.cdiv(k, block_k) * block_k
@@ -237,13 +294,20 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, 
         qp = q[:, :, None]  # [B, T, 1, H, D]
         mxu_dtype = jnp.bfloat16 if (q.dtype == jnp.bfloat16 and kv.dtype == jnp.bfloat16) else jnp.float32
     planes, width = qp.shape[2], qp.shape[-1]
+    rotate = query_rope is not None
     kernel = functools.partial(_kernel, scale=float(scale), n_blocks=n_blocks, block_k=block_k,
-                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype)
+                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate)
+    if rotate and rope_dim is not None and rope_dim != 2 * query_rope[0].shape[-1]:
+        raise ValueError(f"query_rope rotates {2 * query_rope[0].shape[-1]} dims but the records hold {rope_dim} "
+                         "RoPE dims")
+    lanes = [_rope_lanes(query_rope, d, None if rope_dim is None else (rows.nope_words, width))] if rotate else []
+    lane_specs = [pl.BlockSpec((None, None, 2, planes, width), lambda b, t, idx: (b, t, 0, 0, 0))] if rotate else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(bsz, t_len),
         in_specs=[
             pl.BlockSpec((None, None, planes, h, width), lambda b, t, idx: (b, t, 0, 0, 0)),  # q
+            *lane_specs,  # its rope lanes
             pl.BlockSpec((None, 1, k_pad), lambda b, t, idx: (b * t_len + t, 0, 0)),  # index row (VMEM)
             pl.BlockSpec((h, 1), lambda b, t, idx: (0, 0)),  # sink
             pl.BlockSpec(memory_space=pl.ANY),  # kv stays in HBM; rows gathered by DMA
@@ -260,7 +324,8 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, 
     # Bytes read per selected row: its record's words, a bf16 row's word pair, an fp32 row.
     rows_read = bsz * t_len * k * kv.shape[-1] * 4
     cost = pl.CostEstimate(flops=4 * bsz * t_len * h * k_pad * planes * width, transcendentals=bsz * t_len * h * k_pad,
-                           bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8 + h * 4)
+                           bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8 + h * 4
+                           + sum(x.size * 4 for x in lanes))
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -269,7 +334,8 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, 
         cost_estimate=cost,
         interpret=interpret,
         name="dsv4_sparse_attention",
-    )(indices.reshape(-1), qp, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1), kv)
+    )(indices.reshape(-1), qp, *lanes, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1),
+      kv)
     if rope_dim is None:
         return out[:, :, 0]
     # Back to q's column order: column c of q was column cols[j, i] = c of plane j.
@@ -279,7 +345,7 @@ def _call(q, kv, indices, sink, *, scale: float, interpret: bool, block_k: int, 
     return jnp.swapaxes(out, 2, 3).reshape(bsz, t_len, h, planes * width)[..., at]
 
 
-def sparse_attention_tpu(q, kv, indices, sink, *, scale: float, rope_dim: int | None = None,
+def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float, rope_dim: int | None = None,
                          interpret: bool = False, block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
     interpreter, any platform). Records of a layout the kernel does not decode (`records_supported`)
@@ -289,8 +355,9 @@ def sparse_attention_tpu(q, kv, indices, sink, *, scale: float, rope_dim: int | 
     bsz, t_len, _, _ = q.shape
     k_pad = pl.cdiv(indices.shape[-1], block_k) * block_k
     chunk = max(1, MAX_PREFETCH_WORDS // (bsz * k_pad))
-    run = functools.partial(_call, sink=sink, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim)
+    run = functools.partial(_call, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim)
     if t_len <= chunk:
-        return run(q, kv, indices)
-    return jnp.concatenate([run(q[:, s:s + chunk], kv, indices[:, s:s + chunk]) for s in range(0, t_len, chunk)],
-                           axis=1)
+        return run(q, kv, indices, sink, query_rope)
+    pieces = [(q[:, s:s + chunk], indices[:, s:s + chunk], None if query_rope is None else
+               tuple(x[:, s:s + chunk] for x in query_rope)) for s in range(0, t_len, chunk)]
+    return jnp.concatenate([run(q_s, kv, idx_s, sink, rope_s) for q_s, idx_s, rope_s in pieces], axis=1)

@@ -31,8 +31,9 @@ TPU_TARGETS = [t for t in TARGETS if aot.target(t).platform == "tpu"]
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
 
-# (H, D, T, K, N, dtype): q [1, T, H, D], kv [1, N, D], indices [1, T, K]. N: the window ring (128),
-# the chunk (T) and the compressed rows (decode: the K - 128 selected ones).
+# (H, D, T, K, N, dtype): q [1, T, H, D] (unrotated: cos, sin [1, T, 32]), kv [1, N, D], indices
+# [1, T, K]. N: the window ring (128), the chunk (T) and the compressed rows (decode: the K - 128
+# selected ones).
 ATTENTION = {
     "flash-decode-bf16": (64, 512, 1, 640, 128 + 1 + 512, BF16),  # N odd: kv padded to whole word rows
     "flash-prefill16-bf16": (64, 512, 16, 640, 128 + 16 + 4, BF16),
@@ -60,7 +61,8 @@ RECORDS = {
 @pytest.mark.parametrize("target", TPU_TARGETS)
 def test_sparse_attention_on_fp8_records_compiles(target, case):
     h, d, t, k, n, dtype = RECORDS[case]
-    args = (S((1, t, h, d), dtype), S((1, n, 584 // 4), jnp.uint32), S((1, t, k), jnp.int32), S((h,), F32))
+    args = (S((1, t, h, d), dtype), S((1, n, 584 // 4), jnp.uint32), S((1, t, k), jnp.int32), S((h,), F32),
+            _query_rope(t))
     fn = lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas", rope_dim=64)  # noqa: E731
     assert _compiled_kernels(target, fn, *args) == ["dsv4_sparse_attention"]
 
@@ -77,6 +79,12 @@ COMPRESS = {
 }
 
 
+def _query_rope(t):
+    """cos, sin at the queries' positions (rope 64), as the model passes them: the kernel rotates
+    q and the output in VMEM on TPU."""
+    return (S((1, t, 32), F32),) * 2
+
+
 def _compiled_kernels(target, fn, *args):
     result = aot.compile_for(target, jax.jit(fn), *args)
     return aot.kernel_calls(result.compiled, aot.target(target).platform)
@@ -86,7 +94,7 @@ def _compiled_kernels(target, fn, *args):
 @pytest.mark.parametrize("target", TARGETS)
 def test_sparse_attention_compiles(target, case):
     h, d, t, k, n, dtype = ATTENTION[case]
-    args = (S((1, t, h, d), dtype), S((1, n, d), dtype), S((1, t, k), jnp.int32), S((h,), F32))
+    args = (S((1, t, h, d), dtype), S((1, n, d), dtype), S((1, t, k), jnp.int32), S((h,), F32), _query_rope(t))
     kernels = _compiled_kernels(target, lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas"), *args)
     assert kernels == ["dsv4_sparse_attention"]
 

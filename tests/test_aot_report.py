@@ -43,12 +43,15 @@ def test_report_prints_compiler_facts():
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
         assert ("grid" in r) == triton
 
-    # Flash decode attention: 640 indices, 640 bf16 rows of 512, q and out [64, 512] bf16.
+    # Flash decode attention: 640 indices, 640 bf16 rows of 512, q and out [64, 512] bf16, the
+    # query's cos and sin (32 fp32 each).
     tpu, gpu = by["v5p-8", "sparse_attention/flash-decode"], by["h100x1", "sparse_attention/flash-decode"]
-    assert tpu["minimum_bytes"] == 640 * 4 + 640 * 512 * 2 + 2 * 64 * 512 * 2
-    # TPU: XLA's cost of the program takes the kernel's declared flops and adds the wrapper's bytes;
-    # the kernel's VMEM holds at least its double-buffered row tile (2 x 128 x 512 words).
-    assert tpu["xla_cost"]["flops"] == tpu["declared_cost"]["flops"] == 4 * 64 * 640 * 512
+    assert tpu["minimum_bytes"] == 640 * 4 + 640 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 32 * 4
+    # TPU: XLA's cost of the program takes the kernel's declared flops and adds the wrapper's (a
+    # few on the rope's lanes, fewer than q's elements) and bytes; the kernel's VMEM holds at least
+    # its double-buffered row tile (2 x 128 x 512 words).
+    assert tpu["declared_cost"]["flops"] == 4 * 64 * 640 * 512
+    assert 0 <= tpu["xla_cost"]["flops"] - tpu["declared_cost"]["flops"] < 64 * 512
     assert tpu["xla_cost"]["bytes_accessed"] >= tpu["declared_cost"]["bytes_accessed"] > tpu["minimum_bytes"]
     assert tpu["vmem_bytes"] >= 2 * 128 * 512 * 4
     # GPU: sm_90a, the SMEM holds at least q [64, 512] bf16 and the 16-row buffer; no spills.
@@ -59,7 +62,7 @@ def test_report_prints_compiler_facts():
     # the minimum), on TPU under half of what they declare for bf16 rows (a bf16 row travels in a
     # word pair with its neighbour: 2,048 bytes); no spills on the H100.
     tpu8, gpu8 = by["v5p-8", "sparse_attention/flash-decode-fp8"], by["h100x1", "sparse_attention/flash-decode-fp8"]
-    assert tpu8["minimum_bytes"] == 640 * 4 + 640 * 584 + 2 * 64 * 512 * 2
+    assert tpu8["minimum_bytes"] == 640 * 4 + 640 * 584 + 2 * 64 * 512 * 2 + 2 * 32 * 4
     assert tpu8["declared_cost"]["bytes_accessed"] < tpu["declared_cost"]["bytes_accessed"] / 2
     for r in (tpu8, gpu8):
         assert r["minimum_bytes"] <= r["declared_cost"]["bytes_accessed"] < 1.1 * r["minimum_bytes"]

@@ -528,11 +528,11 @@ def test_sparse_attention_with_sink(name):
 @pytest.mark.parametrize("layer_type", ["none", "main", "compress"])
 @torch.no_grad()
 def test_grouped_output_projection(name, layer_type):
-    """attention.output (inverse rope at the query position, then wo_a per group, then wo_b) vs
-    the tail of DeepseekV4Attention.forward: apply_rotary_pos_emb(o, cos, -sin), then
-    DeepseekV4GroupedLinear (o_a_proj) and o_b_proj. "none" isolates the projection
-    (cos = 1, sin = 0); "main"/"compress" use the rotary module's tables at random positions up
-    to 1e6.
+    """attention.output (inverse rope at the query position, here in XLA as off TPU, then wo_a
+    per group, then wo_b) vs the tail of DeepseekV4Attention.forward:
+    apply_rotary_pos_emb(o, cos, -sin), then DeepseekV4GroupedLinear (o_a_proj) and o_b_proj.
+    "none" isolates the projection (cos = 1, sin = 0); "main"/"compress" use the rotary module's
+    tables at random positions up to 1e6.
 
     Tolerance: 1e-5 relative: two fp32 matmuls (over H*Dh/G, up to 1024, and G*O inputs) after a
     rotation (observed <= 5e-7)."""
@@ -557,7 +557,7 @@ def test_grouped_output_projection(name, layer_type):
     ref = mod.o_b_proj(grouped)
 
     p = {"wo_a": _j(mod.o_a_proj.weight), "wo_b": _j(mod.o_b_proj.weight)}
-    ours = ours_attn.output(p, _j(o), _j(cos_t), _j(sin_t), cfg)
+    ours = ours_attn.output(p, _j(o), (_j(cos_t), _j(sin_t)), cfg)
     assert ours.shape == ref.shape == (B, S, cfg.hidden_size)
     assert_close(ours, ref, 1e-5, "grouped output projection")
 

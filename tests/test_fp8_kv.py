@@ -126,9 +126,9 @@ def test_the_kernels_decode_the_records_they_gather(monkeypatch):
     follow = rng.integers(0, CFG.vocab_size, (3, 2)).astype(np.int32)
     seen, kernel = [], pallas_kernels.sparse_attention
 
-    def recording(q, kv, indices, sink, **kw):
+    def recording(q, kv, indices, sink, *query_rope, **kw):
         seen.append((np.dtype(kv.dtype), kw["rope_dim"]))
-        return kernel(q, kv, indices, sink, **kw)
+        return kernel(q, kv, indices, sink, *query_rope, **kw)
 
     monkeypatch.setattr(pallas_kernels, "sparse_attention", recording)
     got, _ = _run(params, "fp8", ids, follow, CFG.replace(attention_impl="pallas"))

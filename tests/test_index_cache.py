@@ -86,12 +86,12 @@ def _attended_indices(params, cfg, ids, monkeypatch):
     seen = []
     real = attention.attend
 
-    def spy(q, ring, kv, comp_rows, comp_idx, *rest):
+    def spy(q, rope, ring, kv, comp_rows, comp_idx, *rest):
         if comp_idx is None:
             jax.debug.callback(lambda: seen.append(None), ordered=True)
         else:
             jax.debug.callback(lambda i: seen.append(np.asarray(i)), comp_idx, ordered=True)
-        return real(q, ring, kv, comp_rows, comp_idx, *rest)
+        return real(q, rope, ring, kv, comp_rows, comp_idx, *rest)
 
     monkeypatch.setattr(attention, "attend", spy)
     jax.block_until_ready(jax.jit(lambda p, i: forward(p, i, cfg))(params, ids))  # traced here, with the spy

@@ -26,6 +26,9 @@ from pallas_kernels import compress, compress_ref, kv_record
 from pallas_kernels import sparse_attention, sparse_attention_ref
 from pallas_kernels import sparse_attention_tpu as sat
 from pallas_kernels.compressor_tpu import compress_tpu
+from pallas_kernels.numerics import rotate_heads
+from dsv4_jax.model.config import Yarn
+from dsv4_jax.model.rope import cos_sin, inv_freq
 
 
 def _check(out, ref):
@@ -108,6 +111,52 @@ def test_sparse_attention_chunked_prefill(monkeypatch):
     q, kv, idx, sink = _attention_inputs(1, 5, 8, 128, 30, 100, jnp.float32, seed=3)
     out = sat.sparse_attention_tpu(q, kv, idx, sink, scale=0.2, interpret=True)
     _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.2))
+
+
+def _query_rope(b, t, rope, seed):
+    """cos, sin fp32 `[b, t, rope / 2]` at random positions up to 1e6 (Flash's compressed-layer
+    frequencies, YaRN included)."""
+    pos = jax.random.randint(jax.random.PRNGKey(seed), (b, t), 0, 1_000_000)
+    return cos_sin(pos, jnp.asarray(inv_freq(rope, 160000.0, Yarn(16.0, 65536, 32.0, 1.0))))
+
+
+@pytest.mark.parametrize(
+    "b, t, h, d, rope, n, k, dtype, records, prefetch_words",
+    [
+        (2, 3, 8, 128, 64, 50, 200, jnp.float32, False, None),  # fp32 rows, 2 key blocks
+        (1, 4, 16, 512, 64, 300, 160, jnp.bfloat16, False, None),  # bf16 row pairs, Flash's D and rope
+        (2, 5, 8, 128, 32, 30, 100, jnp.float32, False, 2 * 128),  # split into 3 calls along T
+        (2, 2, 8, 512, 64, 60, 130, jnp.bfloat16, True, None),  # Flash's 584-byte records
+        (1, 3, 8, 128, 32, 40, 100, jnp.float32, True, None),  # records, fp32 queries
+    ],
+)
+def test_sparse_attention_rotates_queries(b, t, h, d, rope, n, k, dtype, records, prefetch_words, monkeypatch):
+    """With query_rope the TPU kernel takes q unrotated, rotates it in VMEM and rotates the output
+    back before writing it: against the reference (which rotates around its product, in XLA) to
+    the tolerances above, and against the kernel itself called on q rotated in XLA, with the
+    output rotated back there: equal in bf16 (the same products of the same rounded q), and to
+    1e-6 of max |out| in fp32, where XLA:CPU may contract a rotation's product and sum into one
+    fused multiply-add inside its fusions and the kernel's interpreted ops do not."""
+    if prefetch_words:
+        monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", prefetch_words)
+    seed = d + k + t
+    q, kv, idx, sink = (_record_inputs(b, t, h, d, rope, n, k, dtype, seed) if records
+                        else _attention_inputs(b, t, h, d, n, k, dtype, seed))
+    query_rope = _query_rope(b, t, rope, seed)
+    kw = dict(scale=d ** -0.5, rope_dim=rope if records else None)
+    out = sparse_attention(q, kv, idx, sink, query_rope, impl="pallas", **kw)
+    ref = sparse_attention_ref(q, kv, idx, sink, query_rope, **kw)
+    assert out.dtype == q.dtype
+    _check(out, ref)
+    unrotated = np.asarray(sparse_attention_ref(q, kv, idx, sink, **kw).astype(jnp.float32))
+    assert np.abs(np.asarray(ref.astype(jnp.float32)) - unrotated).max() > 0.1 * np.abs(unrotated).max()
+    around = rotate_heads(sparse_attention(rotate_heads(q, query_rope), kv, idx, sink, impl="pallas", **kw),
+                          query_rope, inverse=True)
+    out, around = (np.asarray(x.astype(jnp.float32)) for x in (out, around))
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(out, around)
+    else:
+        assert np.abs(out - around).max() <= 1e-6 * np.abs(around).max()
 
 
 def test_sparse_attention_impls_on_cpu():

@@ -17,7 +17,7 @@ A query's keys are its window and its compressed rows, in one softmax with the p
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import pallas_kernels  # looked up at call time: pallas_kernels imports our primitives
 from pallas_kernels import kv_record
 from pallas_kernels._dispatch import dispatch
-from pallas_kernels.numerics import apply_rope, rms_norm, unweighted_rms_norm
+from pallas_kernels.numerics import apply_rope, rms_norm, rotate_heads, unweighted_rms_norm
 from . import xla_cpu
 from .config import ModelConfig
 from .layer_kinds import BY_RATIO, CSA
@@ -36,14 +36,15 @@ from .rope import cos_sin
 from .sharding import BATCH, HEADS, per_device, rows_axis
 
 
-def query(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig):
+def query(p: dict, x: jnp.ndarray, cfg: ModelConfig):
     """x `[B, T, D]` -> (q `[B, T, H, Dh]`, q latent `[B, T, Q]`).
 
-    q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), rope on its last dims."""
+    q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), not yet rotated: `attend` rotates its
+    last dims at the queries' positions (on TPU inside the attention kernel), `rotate_heads`
+    wherever else the rotated queries are needed."""
     c_q = rms_norm(dense(x, p["wq_a"], cfg), p["q_norm"], cfg.rms_norm_eps)
     q = dense(c_q, p["wq_b"], cfg).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
-    q = unweighted_rms_norm(q, cfg.rms_norm_eps)
-    return apply_rope(q, cos[..., None, :], sin[..., None, :]), c_q
+    return unweighted_rms_norm(q, cfg.rms_norm_eps), c_q
 
 
 def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
@@ -52,10 +53,14 @@ def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: 
     return apply_rope(kv, cos, sin)
 
 
-def output(p: dict, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """o `[B, T, H, Dh]` -> `[B, T, D]`: inverse rope at the query position, then the grouped
-    low-rank projection (wo_a per group of H/G heads, then wo_b)."""
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+def output(p: dict, o: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: ModelConfig) -> jnp.ndarray:
+    """o `[B, T, H, Dh]` as `attend` leaves it -> `[B, T, D]`: o rotated back at the query
+    position where attend did not (`_by_rotation`), then the grouped low-rank projection (wo_a per
+    group of H/G heads, then wo_b)."""
+    def back(o):
+        return rotate_heads(o, rope, inverse=True)
+
+    o = _by_rotation(cfg, in_kernel=lambda o: o, in_xla=back)(o)
     B, T = o.shape[:2]
     G = cfg.o_groups
     o = o.reshape(B, T, G, -1)
@@ -350,9 +355,10 @@ def indexer_select(scores: jnp.ndarray, p0: jnp.ndarray, pool_rows: int, cfg: Mo
 def reuse_measures(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, rows: jnp.ndarray, own: jnp.ndarray,
                    reused: jnp.ndarray, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """What IndexCache changes in a reusing ratio-4 layer (index-cache.md): the layer's attention
-    (`attend`: window, chosen compressed rows, sink) with its own top-k ids `own` `[B, T, K]`
-    against with the `reused` ids `[B, T, K]` (-1: none) of the compressed rows `[B, Nc, Dh]` in
-    entry order. Returns fp32 `[3]`, means over the queries with a non-empty own selection:
+    (`attend`: window, chosen compressed rows, sink; q `[B, T, H, Dh]` rotated) with
+    its own top-k ids `own` `[B, T, K]` against with the `reused` ids `[B, T, K]` (-1: none) of
+    the compressed rows `[B, Nc, Dh]` in entry order. Returns fp32 `[3]`, means over the queries
+    with a non-empty own selection:
 
     - overlap: the fraction of `own` that `reused` contains;
     - js: the Jensen-Shannon divergence (nats, at most ln 2) between the two attention
@@ -401,13 +407,19 @@ def reuse_measures(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, rows: jnp
     return jnp.stack([mean(overlap), mean(jnp.mean(divergence, -1)), mean(jnp.mean(dropped, -1))]).astype(f32)
 
 
-def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.ndarray | None,
-           comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+def attend(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], ring: jnp.ndarray, kv: jnp.ndarray,
+           comp_rows: jnp.ndarray | None, comp_idx: jnp.ndarray | None, sink: jnp.ndarray, p0: jnp.ndarray,
+           cfg: ModelConfig) -> jnp.ndarray:
     """Attention of the chunk's queries q `[B, T, H, Dh]` (row b at positions p0[b] ..) over their
     window of cfg.sliding_window positions (ring `[B, R, Dh]`, R >= the window, slot s % R
     holding position s < p0; the chunk's own rows kv `[B, T, Dh]`) and, for compressed layers,
     the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
-    per-head sink.
+    per-head sink. q comes unrotated (`query`): rope = (cos, sin) `[B, T, rope/2]` at the
+    queries' positions rotates its heads before the products. On TPU the attention kernel
+    rotates them in VMEM, and the output back (in XLA, rotating a head's last 64 dims of 512
+    re-lays the whole queries and output out); elsewhere q is rotated here and the output is
+    returned as the product leaves it, rotated, for `output` to rotate back after the layer's
+    branch, where XLA fuses that with the projection's read (`_by_rotation` makes both choices).
 
     ring, kv and comp_rows may be FP8 records instead (uint32 words, `pallas_kernels.kv_record`; all
     three or none, as the cache holds them, cache.py): the kernels decode the rows they gather.
@@ -422,7 +434,7 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
     p0 = row_positions(p0, q.shape[0])
     rope_dim = cfg.rope_head_dim if ring.dtype == jnp.uint32 else None
 
-    def indexed():
+    def indexed(rotate_in_kernel: bool):
         idx = window_indices(p0, T, cfg.sliding_window, R)
         rows = [ring, kv]
         if comp_rows is not None:
@@ -430,21 +442,31 @@ def attend(q: jnp.ndarray, ring: jnp.ndarray, kv: jnp.ndarray, comp_rows: jnp.nd
             rows.append(comp_rows)
         run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
                                       impl=cfg.attention_impl, rope_dim=rope_dim),
-                         ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,)),
+                         ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,),
+                          (BATCH, None, None)),
                          (BATCH, None, HEADS, None))
-        return run(q, jnp.concatenate(rows, axis=1), idx, sink)
+        rows = jnp.concatenate(rows, axis=1)
+        if rotate_in_kernel:
+            return run(q, rows, idx, sink, rope)
+        return run(rotate_heads(q, rope), rows, idx, sink, None)
 
     def blocked():
         def values(rows):
             return None if rows is None else kv_record.read(rows, cfg.head_dim, cfg.rope_head_dim, q.dtype)
 
-        return _window_blocked(q, values(ring), values(kv), values(comp_rows), comp_idx, sink, p0, cfg.head_dim ** -0.5,
-                               cfg.sliding_window)
+        return _window_blocked(rotate_heads(q, rope), values(ring), values(kv), values(comp_rows), comp_idx, sink,
+                               p0, cfg.head_dim ** -0.5, cfg.sliding_window)
 
-    if T == 1:
-        return indexed()
-    # the kernels' choice of implementation, with the blocked form in the reference's place
-    return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
+    # the kernels' choice of implementation, with the blocked form in the reference's place for a chunk
+    in_xla = partial(indexed, False)
+    return _by_rotation(cfg, in_kernel=partial(indexed, True), in_xla=in_xla, ref=in_xla if T == 1 else blocked)()
+
+
+def _by_rotation(cfg: ModelConfig, in_kernel: Callable, in_xla: Callable, ref: Callable | None = None) -> Callable:
+    """The one choice `attend` and `output` make alike: `in_kernel` where the attention kernel
+    rotates the queries and its output itself (the TPU kernel: on TPU, and in the interpreter),
+    `in_xla` where XLA rotates them (the GPU kernels; `ref`, if given, for the reference)."""
+    return dispatch(cfg.attention_impl, ref=ref or in_xla, tpu=in_kernel, gpu=in_xla, interpret=in_kernel)
 
 
 def _window_logits(q, ring, kv, p0, scale, W):

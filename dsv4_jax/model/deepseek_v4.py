@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import kv_record
-from pallas_kernels.numerics import rms_norm
+from pallas_kernels.numerics import rms_norm, rotate_heads
 from . import attention, sharding
 from .cache import indexer_state_layers, init_cache, pool_entries, pool_view, pool_write
 from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
@@ -118,7 +118,7 @@ class _Chunk(NamedTuple):
 class _LayerInput(NamedTuple):
     """One layer's inputs to its attention branch."""
 
-    q: jnp.ndarray  # [B, T, H, Dh]
+    q: jnp.ndarray  # [B, T, H, Dh], unrotated (`attention.query`)
     kv: jnp.ndarray  # [B, T, Dh]
     x: jnp.ndarray  # [B, T, D] the normed attention input
     c_q: jnp.ndarray  # [B, T, Q] the query latent
@@ -127,6 +127,10 @@ class _LayerInput(NamedTuple):
     local: jnp.ndarray  # index into the layer's kind stacks
     index_local: jnp.ndarray  # index into the indexer-state stacks
     sink: jnp.ndarray  # [H]
+
+    @property
+    def rope(self) -> tuple[jnp.ndarray, jnp.ndarray]:
+        return self.cos, self.sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +177,7 @@ def _window_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     """A window-only layer: its ring and the chunk."""
     ring = take_layer(caches["window"]["ring"], lay.local)
     kv = _stored(lay.kv, ring, ctx.cfg.rope_head_dim)
-    o = attention.attend(lay.q, ring, kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
+    o = attention.attend(lay.q, lay.rope, ring, kv, None, None, lay.sink, ctx.chunk.p0, ctx.cfg)
     return o, last_ids, ctx.payloads({"window": {"kv": kv}}), _NO_AUX
 
 
@@ -263,7 +267,8 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
             keys, payload = indexer_keys()
             if ctx.measure_reuse:
                 values = [kv_record.read(x, *_kv_dims(cfg), dtype) for x in (ring, kv, ordered)]
-                measures = attention.reuse_measures(lay.q, *values, own_choice(keys)[1], ids, lay.sink, ch.p0, cfg)
+                q = rotate_heads(lay.q, lay.rope)
+                measures = attention.reuse_measures(q, *values, own_choice(keys)[1], ids, lay.sink, ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
     else:
@@ -279,9 +284,9 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     else:
         comp_rows, comp_idx = ordered, ids
         if ctx.indexer_kl and not reuse:
-            kl = distillation_kl(lay.q, kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids,
-                                 cfg.head_dim ** -0.5)
-    o = attention.attend(lay.q, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+            kl = distillation_kl(rotate_heads(lay.q, lay.rope),
+                                 kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids, cfg.head_dim ** -0.5)
+    o = attention.attend(lay.q, lay.rope, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
 
 
@@ -301,7 +306,7 @@ def _hca_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids):
     comp_idx = jnp.where(ids < attention.visible_entries(ch.p0, T, HCA)[..., None], ids, -1)  # [B, T, P]
     comp_rows = attention.in_entry_order(pool, entries, ch.p0 // HCA)
     kv = _stored(lay.kv, ring, rope)
-    o = attention.attend(lay.q, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
+    o = attention.attend(lay.q, lay.rope, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     payload = {"kv": kv, "entries": entries, "n_new": n_new, **_state_payload(state)}
     return o, last_ids, ctx.payloads({"hca": payload}), _NO_AUX
 
@@ -355,7 +360,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     u, post, comb = hc_pre(h, **layer["hc_attn"], **hc_args)
     x = rms_norm(u, layer["attn_norm"], cfg.rms_norm_eps)
     a = layer["attn"]
-    q, c_q = attention.query(a, x, cos, sin, cfg)
+    q, c_q = attention.query(a, x, cfg)
     kv = attention.key_value(a, x, cos, sin, cfg)
     lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
     # Branches only read the caches and return the rows to store; the writes come after the
@@ -370,7 +375,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
         n_layers = next(iter(caches[group].values())).shape[0]
         target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
         new[group] = _store(group, caches[group], payload, target, ctx.chunk)
-    h = hc_post(attention.output(a, o, cos, sin, cfg), h, post, comb, cfg)
+    h = hc_post(attention.output(a, o, (cos, sin), cfg), h, post, comb, cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)

@@ -35,9 +35,9 @@ def distillation_kl(q: jnp.ndarray, rows: jnp.ndarray, scores: jnp.ndarray, ids:
     attention's distribution over them (each head's softmax of q . row * scale, summed over heads
     and renormalised), held constant. Mean over the queries that choose any entry.
 
-    q `[B, T, H, Dh]` the main queries, rows `[B, N, Dh]` the compressed entries in entry order,
-    scores fp32 `[B, T, N]` (`attention.indexer_logits`), ids int32 `[B, T, K]` the chosen entries
-    (-1: none). Returns a fp32 scalar."""
+    q `[B, T, H, Dh]` the main queries (rotated), rows `[B, N, Dh]` the compressed
+    entries in entry order, scores fp32 `[B, T, N]` (`attention.indexer_logits`), ids int32
+    `[B, T, K]` the chosen entries (-1: none). Returns a fp32 scalar."""
     valid = ids >= 0
     at = jnp.where(valid, ids, 0)
     # masked with a finite floor, not -inf: a query with nothing chosen must not make NaN gradients

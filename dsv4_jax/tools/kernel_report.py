@@ -22,11 +22,12 @@ only, the indexer's scores on CUDA only), and the record holds:
     (`_dispatch.declared_cost_scope`);
   * both: "program_memory" (XLA's memory analysis) and "minimum_bytes": what the kernel must
     move at least, every needed byte read once and the output written once (sparse attention:
-    indices, the selected rows counted once each, q and the output; compressor: a, z, prev's
-    first halves, cos, sin, the norm weight and the output; FP8 matmul: the stored weight, values
-    and scales, x and the output; grouped matmul: the stored bytes of min(E, M) experts, x and
-    the output; hyper-connections: the streams, fn, the per-token weights and the outputs;
-    indexer scores: the queries, the keys, the weights and the scores).
+    indices, the selected rows counted once each, q, its rope's cos and sin, and the output;
+    compressor: a, z, prev's first halves, cos, sin, the norm weight and the output; FP8
+    matmul: the stored weight, values and scales, x and the output; grouped matmul: the stored
+    bytes of min(E, M) experts, x and the output; hyper-connections: the streams, fn, the
+    per-token weights and the outputs; indexer scores: the queries, the keys, the weights and the
+    scores).
 Usage: python -m dsv4_jax.tools.kernel_report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
@@ -71,14 +72,16 @@ ATTN_PREFILL, POOL = 16, 1024  # 1024 compressed entries: a 4096-token context
 def _attention_case(t: int, records: bool = False) -> dict:
     """Flash sparse attention over [ring | chunk | compressed rows]: decode reads the K selected
     compressed rows (N = 128 + 1 + 512), prefill the chunk's pool (N = 128 + 16 + 1024); bf16
-    rows, or with `records` FP8 records (584 bytes, 146 words) that the kernel decodes."""
+    rows, or with `records` FP8 records (584 bytes, 146 words) that the kernel decodes; the queries
+    rotated in the kernel, as the model calls it."""
     k = WINDOW + TOPK
     n = WINDOW + t + (TOPK if t == 1 else POOL)
     row_bytes = kv_record.record_bytes(D, ROPE) if records else D * 2
     kv = S((1, n, row_bytes // 4), jnp.uint32) if records else S((1, n, D), BF16)
-    args = (S((1, t, H, D), BF16), kv, S((1, t, k), jnp.int32), S((H,), F32))
+    rope = (S((1, t, ROPE // 2), F32),) * 2  # cos, sin
+    args = (S((1, t, H, D), BF16), kv, S((1, t, k), jnp.int32), S((H,), F32), rope)
     rows = min(t * k, n)  # every needed row once (all K indices valid, distinct within a token)
-    minimum = t * k * 4 + rows * row_bytes + 2 * t * H * D * 2
+    minimum = t * k * 4 + rows * row_bytes + 2 * t * H * D * 2 + t * ROPE * 4
     shapes = {"B": 1, "T": t, "H": H, "D": D, "K": k, "N": n, "dtype": "fp8 records" if records else "bfloat16"}
     return {"fn": lambda *x: sparse_attention(*x, scale=D ** -0.5, impl="pallas", rope_dim=ROPE if records else None),
             "args": args, "shapes": shapes, "minimum_bytes": minimum}
