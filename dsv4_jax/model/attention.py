@@ -335,7 +335,7 @@ def indexer_logits(ip: dict, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray,
     B, T, _ = x.shape
     p0 = row_positions(p0, B)
     q = dense(c_q, ip["wq_b"], cfg).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
-    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    q = rotate_heads(q, (cos, sin))
     w = dense(x, ip["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     # Scores in absolute entry order: the pool's, with the new entries' put in at their ids.
     rows = (BATCH, None, None)
