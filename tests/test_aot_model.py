@@ -65,7 +65,11 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     grouped = ["dsv4_grouped_matmul" + ("_gpu" if cuda else "")] * 4
     attention = "dsv4_sparse_attention" + ("_fp8" if cuda and kv_cache_dtype == "fp8" else "")
     scores = ["dsv4_indexer_scores_gpu"] * 2 if cuda else []
-    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores)
+    # The hyper-connections' GPU kernels (any hidden size; this model's is off TPU's 128 lanes, so
+    # the TPU programs take the reference): the collapse (mixes, sum) before the scan body's two
+    # sub-layers and the head's, the expansion after each sub-layer.
+    hyper = ["dsv4_hc_mixes_gpu", "dsv4_hc_sum_gpu"] * 3 + ["dsv4_hc_expand_gpu"] * 2 if cuda else []
+    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores + hyper)
     if kv_cache_dtype == "fp8":
         # No XLA op decodes K=V records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
         # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The
@@ -204,7 +208,7 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     FP8/FP4 weights, compiled for a whole v5p-8 or h200x8 the way dsv4-plan compiles them: the
     FP8 linears go through the matmul kernel per device (under tp_attention too, where the
     column-parallel ones are split), the routed experts and wo_a through the grouped matmul
-    kernel, the streams through the hyper-connections' kernels on TPU, and no instruction but a
+    kernel, the streams through the hyper-connections' kernels, and no instruction but a
     kernel's call touches a whole layer's (or expert's) weight:
     no copy, re-layout or dequantization of one. Under dp_attention the routed experts' tokens go
     by ragged all-to-all, their rows arriving in the kernel's groups (`_rows_arrive_grouped`)."""
@@ -213,10 +217,11 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     suffix = "_gpu" if platform == "cuda" else ""
     kernels = aot.kernel_calls(result.compiled, platform)
     assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
-    # on TPU the hyper-connections' kernels: the collapse before each sub-layer (twice in the
-    # scan body) and the head's, the expansion after each (twice)
-    hyper = {"dsv4_hc_collapse": 3, "dsv4_hc_expand": 2} if platform == "tpu" else {}
-    assert {k: kernels.count(k) for k in ("dsv4_hc_collapse", "dsv4_hc_expand") if k in kernels} == hyper
+    # the hyper-connections' kernels: the collapse before each sub-layer (twice in the scan body)
+    # and the head's, the expansion after each (twice); on GPU the collapse is two kernels
+    hyper = ({"dsv4_hc_collapse": 3, "dsv4_hc_expand": 2} if platform == "tpu" else
+             {"dsv4_hc_mixes_gpu": 3, "dsv4_hc_sum_gpu": 3, "dsv4_hc_expand_gpu": 2})
+    assert {k: kernels.count(k) for k in set(kernels) if k.startswith("dsv4_hc_")} == hyper
     assert not _copies(result.compiled.as_text(), _weight_shapes(s.params, lambda a: bool(s.layout.axes(a, s.mesh))))
     # the routed experts' tokens go as moe.expert_exchange says: by ragged all-to-all under
     # dp_attention (experts over 4 or 8 devices), by all-gather under tp_attention on v5p-8

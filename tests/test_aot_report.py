@@ -12,6 +12,7 @@ import sys
 
 from pallas_kernels import fp8_activations_gpu as fag
 from pallas_kernels import grouped_matmul_gpu as gmg
+from pallas_kernels import hyper_connection_gpu as hcg
 from pallas_kernels import indexer_scores_gpu as isg
 from pallas_kernels import quantized_matmul_gpu as qmg
 from dsv4_jax.tools import kernel_report as report
@@ -28,8 +29,9 @@ def test_report_prints_compiler_facts():
     run = _run("--targets", "v5p-8,h100x1")
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(run.stdout)
-    tpu_only = [c for c in report.CASES if c.startswith("hc_")]  # no GPU kernel: no record on the H100
-    gpu_only = [c for c in report.CASES if c.startswith("indexer_scores/")]  # XLA's own on TPU
+    tpu_only = [c for c in report.CASES if c.startswith("hc_collapse/")]  # on CUDA two kernels, two cases:
+    gpu_only = [c for c in report.CASES if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores")]
+    hyper = [c for c in report.CASES if c.startswith("hc_")]
     assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES
                                                            if c not in (gpu_only if t == "v5p-8" else tpu_only)]
     by = {(r["target"], r["case"]): r for r in records}
@@ -37,7 +39,7 @@ def test_report_prints_compiler_facts():
     fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
     for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
         # the attention over FP8 records, "..._fp8"
-        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only
+        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only + hyper
         suffix = ("_fp8" if r["case"] in fp8_records else "_gpu") if triton else ""
         assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + suffix
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
@@ -73,11 +75,20 @@ def test_report_prints_compiler_facts():
     # The hyper-connections' kernels declare at least the streams, fn, the per-token weights and
     # the outputs; the program around them moves less than half the streams' bytes more (the small
     # per-token weights re-laid out), so the streams themselves are not re-laid out.
-    for case in tpu_only:
-        r = by["v5p-8", case]
-        streams = r["shapes"]["B"] * r["shapes"]["S"] * 4 * 4096 * 2
-        assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
-        assert r["xla_cost"]["bytes_accessed"] - r["declared_cost"]["bytes_accessed"] < streams / 2
+    for case in hyper:
+        if case not in gpu_only:
+            r = by["v5p-8", case]
+            streams = r["shapes"]["B"] * r["shapes"]["S"] * 4 * 4096 * 2
+            assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+            assert r["xla_cost"]["bytes_accessed"] - r["declared_cost"]["bytes_accessed"] < streams / 2
+        if case not in tpu_only:  # on the H100: a program per 16 tokens and column chunk of a
+            # stream (the mixes) or per token and 1,024 columns (the sum, the expansion); no spills
+            r = by["h100x1", case]
+            n = r["shapes"]["B"] * r["shapes"]["S"]
+            grid = [-(-n // 16), 4 * 4096 // hcg.MIXES_BK, 1] if case.startswith("hc_mixes") else [n, 4, 1]
+            assert r["grid"] == grid and r["arch"] == "sm_90a"
+            assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
+            assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
     # The FP8 matmuls declare at least the stored weight (values and scales), x and the output,
     # and at decode the program moves no more than that: the weight is read once.
     for case in ("fp8_matmul/wq_b-decode", "fp8_matmul/4096x4096-decode8", "fp8_matmul/wq_a-prefill",
@@ -116,7 +127,7 @@ def test_report_prints_compiler_facts():
         assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
     # The indexer's scores: a program per (row, query tile, key tile), each key read once (at
     # decode, every byte once: the minimum), no spills.
-    for case in gpu_only:
+    for case in [c for c in gpu_only if c.startswith("indexer_scores/")]:
         r = by["h100x1", case]
         b, t, n = (r["shapes"][d] for d in "BTN")
         tt, tn = isg.tiles(t, "bfloat16")

@@ -3,8 +3,9 @@ DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and 
 
 Each kernel is compiled ahead of time (dsv4_jax.tools.aot; the `aot` extra, no accelerator needed) for
 TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 and grouped matmuls: their Mosaic TPU kernels on
-TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA; the hyper-connections' kernels on TPU
-only, the indexer's scores on CUDA only), and the record holds:
+TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA; the hyper-connections' collapse is
+one kernel on TPU and two on CUDA, its mixes and its sum, each a case; the indexer's scores on
+CUDA only), and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
@@ -26,7 +27,8 @@ only, the indexer's scores on CUDA only), and the record holds:
     compressor: a, z, prev's first halves, cos, sin, the norm weight and the output; FP8
     matmul: the stored weight, values and scales, x and the output; grouped matmul: the stored
     bytes of min(E, M) experts, x and the output; hyper-connections: the streams, fn, the
-    per-token weights and the outputs; indexer scores: the queries, the keys, the weights and the
+    per-token weights and the outputs, the GPU collapse's two kernels the streams each and, for
+    the mixes, fn and their partials, for the sum, the weights and its output; indexer scores: the queries, the keys, the weights and the
     scores).
 Usage: python -m dsv4_jax.tools.kernel_report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
@@ -53,6 +55,7 @@ from pallas_kernels.fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa
 from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
 from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
 from pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
+from pallas_kernels.hyper_connection_gpu import MIXES_BK, hc_expand_gpu, hc_mixes_gpu, hc_sum_gpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
 from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
@@ -146,18 +149,28 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
 
 def _hc_case(kind: str, tokens: int, batch: int) -> dict:
     """The hyper-connections' passes over Flash's bf16 streams `[batch, tokens, 4, 4096]`: the
-    collapse before a sub-layer (24 mixes, fp32 fn `[24, 16384]`), or the expansion after it."""
+    collapse before a sub-layer (24 mixes, fp32 fn `[24, 16384]`; on CUDA its two kernels, the
+    mixes and the sum, are cases of their own), or the expansion after it."""
     x = S((batch, tokens, HC, HIDDEN), BF16)
     n, rows = batch * tokens, (2 + HC) * HC
+    streams = n * HC * HIDDEN * 2
     if kind == "collapse":
         args = (x, S((rows, HC * HIDDEN), F32), S((rows,), F32), S((3,), F32))
-        fn = lambda *a: hc_collapse_tpu(*a, hc_eps=1e-6, norm_eps=1e-6)  # noqa: E731
-        minimum = n * HC * HIDDEN * 2 + rows * HC * HIDDEN * 4 + n * (HIDDEN * 2 + rows * 4)
+        fn = {"tpu": lambda *a: hc_collapse_tpu(*a, hc_eps=1e-6, norm_eps=1e-6)}
+        minimum = streams + rows * HC * HIDDEN * 4 + n * (HIDDEN * 2 + rows * 4)
+    elif kind == "mixes":
+        args = (x, S((rows, HC * HIDDEN), F32))
+        fn = {"cuda": hc_mixes_gpu}
+        minimum = streams + rows * HC * HIDDEN * 4 + HC * (HIDDEN // MIXES_BK) * n * (rows + 1) * 4
+    elif kind == "sum":
+        args = (x, S((batch, tokens, HC), F32))
+        fn = {"cuda": hc_sum_gpu}
+        minimum = streams + n * (HC * 4 + HIDDEN * 2)
     else:
         args = (S((batch, tokens, HIDDEN), BF16), x, S((batch, tokens, HC), F32), S((batch, tokens, HC, HC), F32))
-        fn = hc_expand_tpu
+        fn = {"tpu": hc_expand_tpu, "cuda": hc_expand_gpu}
         minimum = n * (HIDDEN * 2 + 2 * HC * HIDDEN * 2 + (HC + HC * HC) * 4)
-    return {"fn": {"tpu": fn}, "args": args, "minimum_bytes": minimum,
+    return {"fn": fn, "args": args, "minimum_bytes": minimum,
             "shapes": {"B": batch, "S": tokens, "hc": HC, "D": HIDDEN, "x": "bfloat16"}}
 
 
@@ -173,7 +186,7 @@ def _indexer_scores_case(t: int, n: int) -> dict:
 
 # A case's "fn" is one function for every platform (attention and compressors: their entry
 # points, impl="pallas", pick the platform's kernel), or {platform: its kernel's function} (a
-# platform not named has no such kernel: no record; the hyper-connections have none on CUDA).
+# platform not named has no such kernel: no record).
 CASES = {
     "sparse_attention/flash-decode": lambda: _attention_case(1),
     "sparse_attention/flash-prefill": lambda: _attention_case(ATTN_PREFILL),
@@ -197,6 +210,10 @@ CASES = {
     "indexer_scores/prefill": lambda: _indexer_scores_case(PREFILL, PREFILL // 4 + 2048),
     "hc_collapse/decode8": lambda: _hc_case("collapse", 1, 8),
     "hc_collapse/prefill": lambda: _hc_case("collapse", PREFILL, 1),
+    "hc_mixes/decode8": lambda: _hc_case("mixes", 1, 8),
+    "hc_mixes/prefill": lambda: _hc_case("mixes", PREFILL, 1),
+    "hc_sum/decode8": lambda: _hc_case("sum", 1, 8),
+    "hc_sum/prefill": lambda: _hc_case("sum", PREFILL, 1),
     "hc_expand/decode8": lambda: _hc_case("expand", 1, 8),
     "hc_expand/prefill": lambda: _hc_case("expand", PREFILL, 1),
 }
