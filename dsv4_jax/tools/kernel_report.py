@@ -27,9 +27,9 @@ CUDA only), and the record holds:
     compressor: a, z, prev's first halves, cos, sin, the norm weight and the output; FP8
     matmul: the stored weight, values and scales, x and the output; grouped matmul: the stored
     bytes of min(E, M) experts, x and the output; hyper-connections: the streams, fn, the
-    per-token weights and the outputs, the GPU collapse's two kernels the streams each and, for
-    the mixes, fn and their partials, for the sum, the weights and its output; indexer scores: the queries, the keys, the weights and the
-    scores).
+    per-token weights and the outputs (on CUDA the collapse's mixes: the streams, fn and the
+    partials; its sum: the streams, the weights and the output); indexer scores: the queries,
+    the keys, the weights and the scores).
 Usage: python -m dsv4_jax.tools.kernel_report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
