@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ._dispatch import declared_cost_scope, layer_operand
+from .hyper_connection_ref import pre_weights
 from .quantized_matmul_gpu import MIN_ROWS, _pow2_at_least
 
 MIXES_NAME = "dsv4_hc_mixes_gpu"
@@ -162,8 +163,7 @@ def hc_collapse_gpu(x, fn, base, scale, *, layer=None, hc_eps: float, norm_eps: 
     acc, ss = hc_mixes_gpu(x, fn, layer=layer, interpret=interpret)
     m = jnp.sum(acc, axis=0) * jax.lax.rsqrt(jnp.sum(ss, axis=0) / (hc * d) + norm_eps)[:, None]  # [N, R]
     m = m.reshape(bsz, s, -1)
-    pre = jax.nn.sigmoid(m[..., :hc] * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)[:hc]) + hc_eps
-    return hc_sum_gpu(x, pre, interpret=interpret), m
+    return hc_sum_gpu(x, pre_weights(m, base, scale, hc, hc_eps), interpret=interpret), m
 
 
 def _expand_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, hc: int, d: int, bd: int):

@@ -37,8 +37,13 @@ def hc_collapse_ref(x: jnp.ndarray, fn, base: jnp.ndarray, scale: jnp.ndarray, *
     flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
     m = product(flat, fn.astype(jnp.float32))
-    pre = jax.nn.sigmoid(m[..., :hc] * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)[:hc]) + hc_eps
-    return mix(pre, x.astype(jnp.float32)).astype(x.dtype), m
+    return mix(pre_weights(m, base, scale, hc, hc_eps), x.astype(jnp.float32)).astype(x.dtype), m
+
+
+def pre_weights(m: jnp.ndarray, base: jnp.ndarray, scale: jnp.ndarray, hc: int, hc_eps: float) -> jnp.ndarray:
+    """The collapse's weights of the streams from the mixes m fp32 `[..., R]`:
+    sigmoid(m[:hc] * scale[0] + base[:hc]) + hc_eps, fp32 `[..., hc]`."""
+    return jax.nn.sigmoid(m[..., :hc] * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)[:hc]) + hc_eps
 
 
 def hc_expand_ref(f: jnp.ndarray, x: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray) -> jnp.ndarray:
