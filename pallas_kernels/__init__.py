@@ -8,8 +8,8 @@ from .compressor import compress
 from .compressor_ref import compress_ref
 from .fp8_activations import act_quant, fp8_activation_matmul
 from .fp8_activations_ref import act_quant_rounded, fp8_activation_matmul_ref
-from .grouped_matmul import grouped_matmul
-from .grouped_matmul_ref import grouped_matmul_ref
+from .grouped_matmul import block_diagonal_matmul, grouped_matmul, grouped_swiglu
+from .grouped_matmul_ref import grouped_matmul_ref, grouped_swiglu_ref, swiglu
 from .hyper_connection import hc_collapse, hc_expand
 from .hyper_connection_ref import hc_collapse_ref, hc_expand_ref
 from .indexer_scores import indexer_scores
@@ -19,11 +19,10 @@ from .quantized_matmul_ref import quantized_matmul_ref
 from .sparse_attention import sparse_attention
 from .sparse_attention_ref import sparse_attention_ref
 
-__all__ = ["act_quant", "act_quant_rounded", "compress", "compress_ref", "fp8_activation_matmul", "fp8_activation_matmul_ref",
-           "grouped_matmul", "grouped_matmul_ref", "hc_collapse", "hc_collapse_ref", "hc_expand", "hc_expand_ref",
-           "indexer_scores", "indexer_scores_ref",
-           "quantized_matmul", "quantized_matmul_ref", "sparse_attention",
-           "sparse_attention_ref"]
+__all__ = ["act_quant", "act_quant_rounded", "block_diagonal_matmul", "compress", "compress_ref", "fp8_activation_matmul",
+           "fp8_activation_matmul_ref", "grouped_matmul", "grouped_matmul_ref", "grouped_swiglu", "grouped_swiglu_ref",
+           "hc_collapse", "hc_collapse_ref", "hc_expand", "hc_expand_ref", "indexer_scores", "indexer_scores_ref",
+           "quantized_matmul", "quantized_matmul_ref", "sparse_attention", "sparse_attention_ref", "swiglu"]
 
 
 def sparse_attention_mgpu_status() -> bool:

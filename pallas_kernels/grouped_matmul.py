@@ -1,13 +1,31 @@
 """`grouped_matmul`: rows sorted by expert times their experts' weights (the routed experts'
 matmul), the weights kept as stored (plain, FP8 or FP4), with a choice of implementation (see
-`_dispatch`)."""
+`_dispatch`); `grouped_swiglu`: the routed experts' two first products and their activation;
+`block_diagonal_matmul`: x's column blocks times a weight's blocks (the grouped output
+projection)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from ._dispatch import dispatch
-from .grouped_matmul_gpu import grouped_matmul_gpu
-from .grouped_matmul_ref import grouped_matmul_ref
+from .grouped_matmul_gpu import block_diagonal_matmul_gpu, grouped_matmul_gpu, grouped_swiglu_gpu
+from .grouped_matmul_ref import grouped_matmul_ref, grouped_swiglu_ref
 from .grouped_matmul_tpu import grouped_matmul_tpu
+
+
+def _stored(w):
+    """(values, scale, fmt) of a weight: a QuantizedWeight's, or a plain array's."""
+    return (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
+
+
+def _check(name: str, x, w, group_sizes, layer):
+    lead = 2 if layer is not None else 1
+    if (x.ndim != 2 or len(w.shape) != lead + 2 or w.shape[-1] != x.shape[1]
+            or group_sizes.shape != (w.shape[lead - 1],)):
+        stack = "[L, E, N, K]" if layer is not None else "[E, N, K]"
+        raise ValueError(f"{name}: x {tuple(x.shape)}, a weight {list(w.shape)} and group_sizes "
+                         f"{tuple(group_sizes.shape)} (needs x [M, K], w {stack}, group_sizes [E])")
 
 
 def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
@@ -23,16 +41,8 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
     TPU kernel on TPU, the Pallas-Triton kernel `grouped_matmul_gpu` on CUDA, and the TPU
     kernel in the Pallas interpreter elsewhere) or "auto" (the kernels on TPU and CUDA, the
     reference elsewhere)."""
-    lead = 2 if layer is not None else 1
-    if (x.ndim != 2 or len(w.shape) != lead + 2 or w.shape[-1] != x.shape[1]
-            or group_sizes.shape != (w.shape[lead - 1],)):
-        stack = "[L, E, N, K]" if layer is not None else "[E, N, K]"
-        raise ValueError(f"grouped_matmul: x {tuple(x.shape)}, a weight {list(w.shape)} and group_sizes "
-                         f"{tuple(group_sizes.shape)} (needs x [M, K], w {stack}, group_sizes [E])")
-    if hasattr(w, "fmt"):
-        values, scale, fmt = w.values, w.scale, w.fmt
-    else:
-        values, scale, fmt = w, None, None
+    _check("grouped_matmul", x, w, group_sizes, layer)
+    values, scale, fmt = _stored(w)
 
     def kernel(interpret):
         return lambda x, g, *l: grouped_matmul_tpu(x, values, g, fmt=fmt, scale=scale, layer=l[0] if l else None,
@@ -46,3 +56,67 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
 
     run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=gpu, interpret=kernel(True))
     return run(x, group_sizes, *(() if layer is None else (layer,)))
+
+
+def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl: str = "auto"):
+    """The routed experts' first half: `swiglu(grouped_matmul(x, w1), grouped_matmul(x, w3),
+    limit) * hw` rounded to x's dtype (`grouped_swiglu_ref`), `[M, N]`, rows past
+    sum(group_sizes) zero. x, group_sizes, layer as `grouped_matmul` takes them; w1 and w3 alike
+    in format and shape `[E, N, K]` (or `[L, E, N, K]`); hw fp32 `[M]`, the rows' routing weights
+    (past the groups not read: may be unset).
+
+    impl as `grouped_matmul`'s: on CUDA one Pallas-Triton kernel (`grouped_swiglu_gpu`: neither
+    product goes through HBM); on TPU (and in the interpreter) the TPU grouped-matmul kernel
+    twice and XLA's activation; "ref" the plain-JAX reference."""
+    for w in (w1, w3):
+        _check("grouped_swiglu", x, w, group_sizes, layer)
+    (v1, s1, fmt), (v3, s3, fmt3) = _stored(w1), _stored(w3)
+    if fmt != fmt3 or w1.shape != w3.shape or hw.shape != x.shape[:1]:
+        raise ValueError(f"grouped_swiglu: w1 ({fmt or 'plain'} {list(w1.shape)}) and w3 ({fmt3 or 'plain'} "
+                         f"{list(w3.shape)}) must be alike, hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
+
+    def tpu(interpret):
+        def matmul(x, w, g, layer):
+            values, scale, fmt = _stored(w)
+            return grouped_matmul_tpu(x, values, g, fmt=fmt, scale=scale, layer=layer, interpret=interpret)
+        return lambda x, g, hw, *l: grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None,
+                                                       matmul=matmul)
+
+    def gpu(x, g, hw, *l):
+        return grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit, layer=l[0] if l else None)
+
+    def ref(x, g, hw, *l):
+        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None)
+
+    run = dispatch(impl, ref=ref, tpu=tpu(False), gpu=gpu, interpret=tpu(True))
+    return run(x, group_sizes, hw, *(() if layer is None else (layer,)))
+
+
+def block_diagonal_matmul(x, w, *, layer=None, impl: str = "auto"):
+    """x `[M, E*K]` times the block-diagonal weight of w's E blocks `[E, N, K]` (plain or a
+    `QuantizedWeight`, as `grouped_matmul` takes it; with `layer` the stack `[L, E, N, K]`):
+    `[M, E*N]` in x's dtype, x's columns g K .. (g + 1) K - 1 times block g transposed into the
+    output's columns g N .. (g + 1) N - 1, products accumulated in fp32.
+
+    It is `grouped_matmul` of E groups of M rows, and so computed off CUDA (and by "ref"): x's
+    column blocks re-laid out as groups of rows, and the output back. On CUDA the grouped
+    kernel reads each group's rows in place in x's column block and writes them into the
+    output's (`block_diagonal_matmul_gpu`)."""
+    lead = 2 if layer is not None else 1
+    if x.ndim != 2 or len(w.shape) != lead + 2 or x.shape[1] != w.shape[lead - 1] * w.shape[-1]:
+        stack = "[L, E, N, K]" if layer is not None else "[E, N, K]"
+        raise ValueError(f"block_diagonal_matmul: x {tuple(x.shape)} and a weight {list(w.shape)} (needs x "
+                         f"[M, E*K], w {stack})")
+    e, m = w.shape[lead - 1], x.shape[0]
+    values, scale, fmt = _stored(w)
+
+    def as_groups(x, *l):
+        rows = jnp.swapaxes(x.reshape(m, e, -1), 0, 1).reshape(e * m, -1)
+        z = grouped_matmul(rows, w, jnp.full((e,), m, jnp.int32), layer=l[0] if l else None, impl=impl)
+        return jnp.swapaxes(z.reshape(e, m, -1), 0, 1).reshape(m, -1)
+
+    def gpu(x, *l):
+        return block_diagonal_matmul_gpu(x, values, fmt=fmt, scale=scale, layer=l[0] if l else None)
+
+    run = dispatch(impl, ref=as_groups, tpu=as_groups, gpu=gpu, interpret=as_groups)
+    return run(x, *(() if layer is None else (layer,)))

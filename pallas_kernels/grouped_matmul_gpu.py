@@ -65,6 +65,19 @@ Tiles (`tiles`, a static choice from M and E: the average group M / min(E, M) ro
   expert half as often but x twice as often: more bytes in all at Flash's shapes). 256 x 256
   would need 256 accumulator registers a thread.
 ptxas (12.9, sm_90a; tests/test_grouped_matmul_gpu.py checks): no spills at any of them.
+
+Two more forms of the same program (`_program`, `_products`):
+* `grouped_swiglu_gpu`, the routed experts' first half: each step multiplies its x piece by
+  both w1's and w3's tiles (x loaded once for the two), rounds the two products to x's dtype as
+  the grouped matmul returns them, and stores `swiglu(h1, h3) * hw` (the rows' fp32 routing
+  weights): against two calls and XLA's activation, neither product goes through HBM and x is
+  read once (a 512-token chunk's exchange round on one of 8 GPUs: 6144 x 4096 bf16 x, 50 MB,
+  once instead of twice; one 6144 x 2048 output written instead of two, read back, and the
+  activation written). Tiles: `tiles`' TM, TN halved from 128 (two accumulators in the
+  registers of one), and at TM 128 pieces of 32 values (`swiglu_tiles`).
+* `block_diagonal_matmul_gpu`: x `[M, E*K]` and E blocks of M rows each, block g's rows read
+  in place at x's columns g K.. and written at the output's columns g N.. (the attention's
+  grouped output projection, whose groups are column blocks of its input).
 """
 
 from __future__ import annotations
@@ -78,10 +91,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from ._dispatch import declared_cost_scope, layer_operand
+from .grouped_matmul_ref import swiglu
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
 from .quantized_matmul_gpu import L2_BYTES
 
 NAME = "dsv4_grouped_matmul_gpu"
+SWIGLU_NAME = "dsv4_grouped_swiglu_gpu"
 FP8_BLOCK = 128
 FP4_GROUP = 32  # values per E8M0 scale (16 bytes)
 MIN_TM, MAX_SMALL_TM = 16, 64
@@ -155,78 +170,140 @@ def _metadata(group_sizes, m: int, tm: int, steps: int):
     return start.astype(jnp.int32), end.astype(jnp.int32), group, live.astype(jnp.int32)
 
 
-def dsv4_grouped_matmul_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, x_ref, v_ref, *refs,
-                            fmt: str | None, k: int, tiles: Tiles, layered: bool):
-    """One (column tile, step) program; Triton names the kernel after this function."""
-    tm, tn, bk = tiles.tm, tiles.tn, tiles.bk
-    o_ref = refs[-1]
-    s_ref = refs[0] if fmt is not None else None
-    m, n = o_ref.shape
+def _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles: Tiles, compute, *, m: int, n: int,
+             rows_per_group: int | None):
+    """The program of (column tile j, step t) over M grouped rows and N outputs a group: on a
+    computing step `compute(group, j, rows, x_at, mine, cols, col_ok)` gives the `[TM, TN]` tile
+    it stores (rows `[TM]` of the grouped rows, mine: those of the step's group; x_at: where
+    they are in x, (its rows `[TM]`, its first column); cols `[TN]` of the group's outputs,
+    col_ok: those within N); a zeroing step stores zeros. rows_per_group R (block-diagonal):
+    grouped row g R + r is x's row r at columns from g K, and the output's row r at columns
+    from g N."""
+    tm, tn = tiles.tm, tiles.tn
     j, t = pl.program_id(0), pl.program_id(1)
     cols = j * tn + jax.lax.iota(jnp.int32, tn)
     col_ok = cols < n
-    first = start_ref[t]
+    first, g = start_ref[t], group_ref[t]
     rows = first + jax.lax.iota(jnp.int32, tm)
     mine = (rows < end_ref[t]) & (rows < m)
-    out_at = o_ref.at[pl.ds(first, tm), pl.ds(j * tn, tn)]
+    if rows_per_group is None:
+        out_at, x_at = o_ref.at[pl.ds(first, tm), pl.ds(j * tn, tn)], (rows, 0)
+    else:
+        shift = g * rows_per_group
+        out_at, x_at = o_ref.at[pl.ds(first - shift, tm), pl.ds(g * n + j * tn, tn)], (rows - shift, None)
     store_mask = mine[:, None] & col_ok[None, :]
 
     @pl.when(t < live_ref[0])
     def _():
-        g = group_ref[t]
-        lead = (layer_ref[0], g) if layered else (g,)
-        # fp32 must stay fp32 (Triton's default for fp32 operands is TF32).
-        precision = jax.lax.Precision.DEFAULT if x_ref.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
-
-        def product(x, w):  # [TM, C] x [TN, C] -> [TM, TN] fp32
-            return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
-                                       preferred_element_type=jnp.float32)
-
-        # Masks only where the static shapes need them (N a multiple of TN, K of BK: none on
-        # the weight), which spares their registers.
-        k_whole = k % bk == 0
-
-        def x_piece(c):  # x's rows of this tile at columns c `[C]` (gathered: FP4 reads every other)
-            ok = mine[:, None] if k_whole else mine[:, None] & (c < k)[None, :]
-            return pltr.load(x_ref.at[rows[:, None], c[None, :]], mask=ok, other=0)
-
-        def weight_piece(ref, c0, size, limit, fill, dtype):  # `[TN, size]` stored columns from c0, in dtype
-            at = ref.at[lead + (pl.ds(j * tn, tn), pl.ds(c0, size))]
-            if n % tn == 0 and k_whole:
-                return pltr.load(at).astype(dtype)
-            ok = col_ok[:, None] & (c0 + jax.lax.iota(jnp.int32, size) < limit)[None, :]
-            # Filled after the cast: Triton's masked load takes no e4m3 fill value.
-            return jnp.where(ok, pltr.load(at, mask=ok).astype(dtype), jnp.asarray(fill, dtype))
-
-        def step(kb, acc):
-            if fmt == "fp4":
-                nb, per = bk // 2, bk // FP4_GROUP  # code bytes and scales of a piece
-                codes = weight_piece(v_ref, kb * nb, nb, k // 2, 0, jnp.int32)
-                # A masked scale reads as 1 (byte 127); its codes are masked to 0 already.
-                s = _e8m0(weight_piece(s_ref, kb * per, per, s_ref.shape[-1], 127, jnp.int32))
-                scale = jnp.broadcast_to(s[:, :, None], (tn, per, nb // per)).reshape(tn, nb)
-                lo = (_e2m1(codes & 15) * scale).astype(x_ref.dtype)
-                hi = (_e2m1(codes >> 4) * scale).astype(x_ref.dtype)
-                # Interleaved in registers (Triton's join): byte c's nibbles are columns 2c, 2c + 1.
-                w = jnp.stack([lo, hi], axis=-1).reshape(tn, bk)
-                return acc + product(x_piece(kb * bk + jax.lax.iota(jnp.int32, bk)), w)
-            w = weight_piece(v_ref, kb * bk, bk, k, 0, jnp.float32 if fmt == "fp8" else x_ref.dtype)
-            if fmt == "fp8":  # the piece lies in one 128-column block: a scale per 128 rows
-                kblock = (kb * bk) // FP8_BLOCK
-                if tn <= FP8_BLOCK:  # and in one 128-row block: one scale
-                    sc = s_ref[lead + ((j * tn) // FP8_BLOCK, kblock)]
-                else:  # each row's block's scale (a masked row's weight is zero already)
-                    blocks = jnp.minimum(cols // FP8_BLOCK, s_ref.shape[-2] - 1)
-                    sc = pltr.load(s_ref.at[lead + (blocks, kblock)])[:, None]
-                w = (w * sc).astype(x_ref.dtype)
-            return acc + product(x_piece(kb * bk + jax.lax.iota(jnp.int32, bk)), w)
-
-        acc = jax.lax.fori_loop(0, pl.cdiv(k, bk), step, jnp.zeros((tm, tn), jnp.float32))
-        pltr.store(out_at, acc.astype(o_ref.dtype), mask=store_mask)
+        pltr.store(out_at, compute(g, j, rows, x_at, mine, cols, col_ok).astype(o_ref.dtype), mask=store_mask)
 
     @pl.when((t >= live_ref[0]) & (t < live_ref[1]))
     def _():
         pltr.store(out_at, jnp.zeros((tm, tn), o_ref.dtype), mask=store_mask)
+
+
+def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | None, k: int, n: int, tiles: Tiles):
+    """x's rows of this tile, x_at = (their rows in x, their first column: None for the group's,
+    g K), mine: those of its group, times each expert weight of `weights` ((values ref, scale ref
+    or None) pairs, read at `lead` + (column tile j's columns, K)): one `[TM, TN]` fp32 product a
+    weight, x's K pieces loaded once for all of them."""
+    tm, tn, bk = tiles.tm, tiles.tn, tiles.bk
+    # fp32 must stay fp32 (Triton's default for fp32 operands is TF32).
+    precision = jax.lax.Precision.DEFAULT if x_ref.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+
+    def product(x, w):  # [TM, C] x [TN, C] -> [TM, TN] fp32
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    # Masks only where the static shapes need them (N a multiple of TN, K of BK: none on
+    # the weight), which spares their registers.
+    k_whole = k % bk == 0
+
+    x_rows, x_col0 = x_at
+    if x_col0 is None:
+        x_col0 = lead[-1] * k
+
+    def x_piece(c):  # x's rows of this tile at columns c `[C]` (gathered: FP4 reads every other)
+        ok = mine[:, None] if k_whole else mine[:, None] & (c < k)[None, :]
+        return pltr.load(x_ref.at[x_rows[:, None], (x_col0 + c)[None, :]], mask=ok, other=0)
+
+    def weight_piece(ref, c0, size, limit, fill, dtype):  # `[TN, size]` stored columns from c0, in dtype
+        at = ref.at[lead + (pl.ds(j * tn, tn), pl.ds(c0, size))]
+        if n % tn == 0 and k_whole:
+            return pltr.load(at).astype(dtype)
+        ok = col_ok[:, None] & (c0 + jax.lax.iota(jnp.int32, size) < limit)[None, :]
+        # Filled after the cast: Triton's masked load takes no e4m3 fill value.
+        return jnp.where(ok, pltr.load(at, mask=ok).astype(dtype), jnp.asarray(fill, dtype))
+
+    def dequantized(kb, v_ref, s_ref):  # the weight's `[TN, BK]` piece kb, in x's dtype
+        if fmt == "fp4":
+            nb, per = bk // 2, bk // FP4_GROUP  # code bytes and scales of a piece
+            codes = weight_piece(v_ref, kb * nb, nb, k // 2, 0, jnp.int32)
+            # A masked scale reads as 1 (byte 127); its codes are masked to 0 already.
+            s = _e8m0(weight_piece(s_ref, kb * per, per, s_ref.shape[-1], 127, jnp.int32))
+            scale = jnp.broadcast_to(s[:, :, None], (tn, per, nb // per)).reshape(tn, nb)
+            lo = (_e2m1(codes & 15) * scale).astype(x_ref.dtype)
+            hi = (_e2m1(codes >> 4) * scale).astype(x_ref.dtype)
+            # Interleaved in registers (Triton's join): byte c's nibbles are columns 2c, 2c + 1.
+            return jnp.stack([lo, hi], axis=-1).reshape(tn, bk)
+        w = weight_piece(v_ref, kb * bk, bk, k, 0, jnp.float32 if fmt == "fp8" else x_ref.dtype)
+        if fmt == "fp8":  # the piece lies in one 128-column block: a scale per 128 rows
+            kblock = (kb * bk) // FP8_BLOCK
+            if tn <= FP8_BLOCK:  # and in one 128-row block: one scale
+                sc = s_ref[lead + ((j * tn) // FP8_BLOCK, kblock)]
+            else:  # each row's block's scale (a masked row's weight is zero already)
+                blocks = jnp.minimum(cols // FP8_BLOCK, s_ref.shape[-2] - 1)
+                sc = pltr.load(s_ref.at[lead + (blocks, kblock)])[:, None]
+            w = (w * sc).astype(x_ref.dtype)
+        return w
+
+    def step(kb, accs):
+        x = x_piece(kb * bk + jax.lax.iota(jnp.int32, bk))
+        return tuple(acc + product(x, dequantized(kb, v, sc)) for acc, (v, sc) in zip(accs, weights))
+
+    zeros = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in weights)
+    return jax.lax.fori_loop(0, pl.cdiv(k, bk), step, zeros)
+
+
+def _weight_refs(refs, fmt: str | None, count: int):
+    """The (values, scale) ref pairs of `count` weights at the head of refs, and the rest."""
+    per = 1 if fmt is None else 2
+    pairs = [(refs[per * i], refs[per * i + 1] if fmt is not None else None) for i in range(count)]
+    return pairs, refs[per * count:]
+
+
+def dsv4_grouped_matmul_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, x_ref, *refs,
+                            fmt: str | None, m: int, n: int, k: int, tiles: Tiles, layered: bool,
+                            rows_per_group: int | None):
+    """One (column tile, step) program of `grouped_matmul_gpu` (and of
+    `block_diagonal_matmul_gpu`: rows_per_group, `_program`); Triton names the kernel after
+    this function."""
+    weights, (o_ref,) = _weight_refs(refs, fmt, 1)
+
+    def compute(g, j, rows, x_at, mine, cols, col_ok):
+        lead = (layer_ref[0], g) if layered else (g,)
+        (acc,) = _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, fmt=fmt, k=k, n=n, tiles=tiles)
+        return acc
+
+    _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles, compute, m=m, n=n, rows_per_group=rows_per_group)
+
+
+def dsv4_grouped_swiglu_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, x_ref, hw_ref, *refs,
+                            fmt: str | None, m: int, n: int, k: int, tiles: Tiles, layered: bool,
+                            rows_per_group: None, limit: float):
+    """One (column tile, step) program of `grouped_swiglu_gpu`: both products of a tile, each
+    rounded to x's dtype as `grouped_matmul` rounds it, their `swiglu` times the rows' routing
+    weights hw, in fp32; Triton names the kernel after this function."""
+    weights, (o_ref,) = _weight_refs(refs, fmt, 2)
+
+    def compute(g, j, rows, x_at, mine, cols, col_ok):
+        lead = (layer_ref[0], g) if layered else (g,)
+        h1, h3 = (h.astype(x_ref.dtype) for h in _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok,
+                                                           fmt=fmt, k=k, n=n, tiles=tiles))
+        hw = pltr.load(hw_ref.at[rows], mask=mine, other=0)
+        return swiglu(h1, h3, limit) * hw[:, None]
+
+    _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles, compute, m=m, n=n, rows_per_group=None)
 
 
 def stored_bytes_per_expert(n: int, k: int, fmt: str | None, values_itemsize: int) -> int:
@@ -239,20 +316,55 @@ def stored_bytes_per_expert(n: int, k: int, fmt: str | None, values_itemsize: in
 
 
 def cost_estimate(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int,
-                  values_itemsize: int) -> pl.CostEstimate:
+                  values_itemsize: int, weights: int = 1) -> pl.CostEstimate:
     """The declared cost: HBM bytes, a static upper bound. Programs launch column tile fastest,
     so the column tiles of one step read its x rows together (L2 serves all but the first), and
     a group's consecutive steps read its expert's weight together: when one expert's stored
     bytes fit in a quarter of L2 (`L2_BYTES`), its weight comes from HBM once per group, at
     most min(E, M) groups; else once per computing step (at most ceil(M / TM) + min(E, M) - 1,
     `max_steps` less the zeroing part). x once; the output once. Flops: TM rows on every
-    computing step."""
+    computing step. `weights`: the expert weights a step multiplies x by (2: `grouped_swiglu_gpu`,
+    which also reads the rows' fp32 routing weights)."""
     tl = tiles(m, e, fmt)
     steps = max_steps(m, e, tl.tm) - 1
     per_expert = stored_bytes_per_expert(n, k, fmt, values_itemsize)
     reads = min(e, m) if 4 * per_expert <= L2_BYTES else steps
-    return pl.CostEstimate(flops=2 * steps * tl.tm * n * k, transcendentals=0,
-                           bytes_accessed=reads * per_expert + m * k * x_itemsize + m * n * x_itemsize)
+    routing = 4 * m if weights == 2 else 0
+    return pl.CostEstimate(flops=2 * weights * steps * tl.tm * n * k, transcendentals=m * n if weights == 2 else 0,
+                           bytes_accessed=weights * reads * per_expert + m * k * x_itemsize + m * n * x_itemsize
+                           + routing)
+
+
+def _call(kernel, name: str, x, weights, group_sizes, extra, *, fmt: str | None, layer, tile_choice,
+          interpret: bool, rows_per_group: int | None = None, **params):
+    """The pallas_call of `kernel` over x `[M, K]` sorted by group and the expert weights
+    `weights` ((values, scale) pairs, each `[E, N, K]`-shaped as stored, or `[L, E, ...]` with
+    `layer`), `extra` operands after x, tiles `tile_choice(M, E, fmt)`: `[M, N]` in x's dtype.
+    rows_per_group R: block-diagonal, x `[R, E*K]` -> `[R, E*N]` (`block_diagonal_matmul_gpu`)."""
+    layered = layer is not None
+    grouped = x if rows_per_group is None else jax.ShapeDtypeStruct(
+        (x.shape[0] * weights[0][0].shape[-3], x.shape[1] // weights[0][0].shape[-3]), x.dtype)
+    m, k, e, n, _ = operand_shapes(name, grouped, weights[0][0], fmt, layered)
+    out_shape = (m, n) if rows_per_group is None else (rows_per_group, e * n)
+    if m == 0:
+        return jnp.zeros(out_shape, x.dtype)
+    tl = tile_choice(m, e, fmt)
+    steps = max_steps(m, e, tl.tm)
+    meta = _metadata(group_sizes, m, tl.tm, steps)
+    operands = [a for v, sc in weights for a in ([v] + ([sc] if fmt is not None else []))]
+    body = functools.partial(kernel, fmt=fmt, m=m, n=n, k=k, tiles=tl, layered=layered, rows_per_group=rows_per_group,
+                             **params)
+    cost = cost_estimate(m, n, k, e, fmt, x.dtype.itemsize, weights[0][0].dtype.itemsize, len(weights))
+    with declared_cost_scope(cost):
+        return pl.pallas_call(
+            body,
+            grid=(pl.cdiv(n, tl.tn), steps),
+            out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype),
+            compiler_params=pltr.CompilerParams(num_warps=tl.num_warps, num_stages=NUM_STAGES),
+            cost_estimate=cost,
+            interpret=interpret,
+            name=name,
+        )(*meta, layer_operand(layer), x, *extra, *operands)
 
 
 def grouped_matmul_gpu(x, values, group_sizes, *, fmt: str | None = None, scale=None, layer=None,
@@ -265,23 +377,46 @@ def grouped_matmul_gpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     ceil(K/32)]` ("fp4"); with `layer` (int32 scalar, may be traced) both have a leading layer
     axis `[L, ...]`. group_sizes int32 `[E]`, sum <= M (not checked; rows past M are never
     touched). interpret: run in the Pallas interpreter (CPU)."""
-    layered = layer is not None
-    m, k, e, n, _ = operand_shapes("grouped_matmul_gpu", x, values, fmt, layered)
-    if m == 0:
-        return jnp.zeros((0, n), x.dtype)
+    return _call(dsv4_grouped_matmul_gpu, NAME, x, [(values, scale)], group_sizes, [], fmt=fmt, layer=layer,
+                 tile_choice=tiles, interpret=interpret)
+
+
+def block_diagonal_matmul_gpu(x, values, *, fmt: str | None = None, scale=None, layer=None,
+                              interpret: bool = False):
+    """x `[M, E*K]` times the block-diagonal weight whose E blocks values `[E, N, K]` holds (as
+    `grouped_matmul_gpu` takes them; `[L, E, ...]` with `layer`): `[M, E*N]`, x's columns
+    g K .. (g + 1) K - 1 times block g transposed into columns g N .. (g + 1) N - 1. The grouped
+    matmul of E groups of M rows, group g's rows read in place in x's column block g and
+    written into the output's (no re-layout of x into groups of rows, nor back)."""
+    e = values.shape[-3] if values.ndim >= 3 else 1
+    if x.ndim != 2 or x.shape[1] % e:
+        raise ValueError(f"block_diagonal_matmul_gpu: x {tuple(x.shape)} must be [M, E*K] for {e} blocks")
+    return _call(dsv4_grouped_matmul_gpu, NAME, x, [(values, scale)], jnp.full((e,), x.shape[0], jnp.int32), [],
+                 fmt=fmt, layer=layer, tile_choice=tiles, interpret=interpret, rows_per_group=x.shape[0])
+
+
+def swiglu_tiles(m: int, e: int, fmt: str | None = None) -> Tiles:
+    """`grouped_swiglu_gpu`'s tiles: `tiles`' TM (so the same steps), with TN halved from 128
+    on, which keeps its two fp32 accumulators in the registers one takes at `tiles`, and at the
+    large tiles K pieces of 32 values (`LARGE_FP8_BK`) for its two dequantized pieces (ptxas,
+    sm_90a: FP4 at 64 spills)."""
     tl = tiles(m, e, fmt)
-    steps = max_steps(m, e, tl.tm)
-    meta = _metadata(group_sizes, m, tl.tm, steps)
-    operands = [x, values] + ([scale] if fmt is not None else [])
-    kernel = functools.partial(dsv4_grouped_matmul_gpu, fmt=fmt, k=k, tiles=tl, layered=layered)
-    cost = cost_estimate(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
-    with declared_cost_scope(cost):
-        return pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(n, tl.tn), steps),
-            out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-            compiler_params=pltr.CompilerParams(num_warps=tl.num_warps, num_stages=NUM_STAGES),
-            cost_estimate=cost,
-            interpret=interpret,
-            name=NAME,
-        )(*meta, layer_operand(layer), *operands)
+    if tl.tm == LARGE.tm:
+        return tl._replace(tn=tl.tn // 2, bk=LARGE_FP8_BK)
+    return tl._replace(tn=tl.tn // 2) if tl.tn > 64 else tl
+
+
+def grouped_swiglu_gpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, limit: float, layer=None,
+                       interpret: bool = False):
+    """The routed experts' first half, fused: `swiglu(x w1_g^T, x w3_g^T, limit) * hw` for the
+    rows of each group g, each product rounded to x's dtype first (as `grouped_matmul` returns
+    it), the rest in fp32, the result rounded to x's dtype: `[M, N]`, rows past
+    sum(group_sizes) zero (their hw is not read). w1, w3: (values, scale) as
+    `grouped_matmul_gpu` takes them, alike in format and shape; hw fp32 `[M]`, the rows' routing
+    weights. Neither product goes through HBM: against two `grouped_matmul_gpu` calls and
+    XLA's activation, x is read once and one `[M, N]` array written instead of five moved."""
+    if w1[0].shape != w3[0].shape or hw.shape != x.shape[:1]:
+        raise ValueError(f"grouped_swiglu_gpu: w1 {tuple(w1[0].shape)} and w3 {tuple(w3[0].shape)} must match, "
+                         f"hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
+    return _call(dsv4_grouped_swiglu_gpu, SWIGLU_NAME, x, [w1, w3], group_sizes, [hw.astype(jnp.float32)], fmt=fmt,
+                 layer=layer, tile_choice=swiglu_tiles, interpret=interpret, limit=limit)

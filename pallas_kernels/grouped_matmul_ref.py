@@ -1,5 +1,6 @@
 """Rows grouped by expert times their experts' weights, in plain JAX: the experts dequantized
-whole, then one ragged product."""
+whole, then one ragged product; and the routed experts' first half, two such products and
+their SwiGLU."""
 
 from __future__ import annotations
 
@@ -26,3 +27,24 @@ def grouped_matmul_ref(x, w, group_sizes, *, layer=None):
     y = jax.lax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32), dims, precision=precision,
                                    preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+def swiglu(h1, h3, limit: float):
+    """The experts' activation: silu(min(h1, limit)) * clamp(h3, -limit, limit) in fp32 (no
+    clamp when limit is 0)."""
+    h1, h3 = h1.astype(jnp.float32), h3.astype(jnp.float32)
+    if limit > 0:
+        h1 = jnp.minimum(h1, limit)
+        h3 = jnp.clip(h3, -limit, limit)
+    return jax.nn.silu(h1) * h3
+
+
+def grouped_swiglu_ref(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, matmul=grouped_matmul_ref):
+    """`swiglu(matmul(x, w1), matmul(x, w3), limit) * hw` rounded to x's dtype: x `[M, K]` (rows
+    sorted by group), w1 and w3 `[E, N, K]` (or stacks `[L, E, N, K]` with `layer`) as
+    `grouped_matmul_ref` takes them, hw fp32 `[M]` the rows' routing weights -> `[M, N]`, rows past
+    sum(group_sizes) zero (their hw, which may be unset, is not used). `matmul`: the grouped
+    product (`grouped_matmul_ref`, or a kernel of the same contract)."""
+    h = swiglu(matmul(x, w1, group_sizes, layer=layer), matmul(x, w3, group_sizes, layer=layer), limit)
+    grouped = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(grouped[:, None], h * hw[:, None], 0.0).astype(x.dtype)

@@ -30,12 +30,13 @@ def test_report_prints_compiler_facts():
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(run.stdout)
     tpu_only = [c for c in report.CASES if c.startswith("hc_collapse/")]  # on CUDA two kernels, two cases:
-    gpu_only = [c for c in report.CASES if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores")]
+    gpu_only = [c for c in report.CASES if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores", "grouped_swiglu")]
     hyper = [c for c in report.CASES if c.startswith("hc_")]
     assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES
                                                            if c not in (gpu_only if t == "v5p-8" else tpu_only)]
     by = {(r["target"], r["case"]): r for r in records}
-    matmuls = [c for c in report.CASES if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "fp8_activation_matmul")]
+    matmuls = [c for c in report.CASES
+               if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "grouped_swiglu", "fp8_activation_matmul")]
     fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
     for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
         # the attention over FP8 records, "..._fp8"
@@ -113,12 +114,12 @@ def test_report_prints_compiler_facts():
         elif case.startswith("fp8_activation_matmul"):
             tm, tn = fag.tiles(m, n)
             assert r["grid"] == [-(-m // tm), -(-n // tn), 1]
-        else:
-            e = r["shapes"]["E"]
-            tiles = gmg.tiles(m, e)
+        else:  # the grouped ones (the fused first half: two weights, TN halved at the prefill tiles)
+            e, fmt, fused = r["shapes"]["E"], r["shapes"]["weight"], case.startswith("grouped_swiglu")
+            tiles = (gmg.swiglu_tiles if fused else gmg.tiles)(m, e, fmt)
             assert r["grid"] == [-(-n // tiles.tn), gmg.max_steps(m, e, tiles.tm), 1]
             assert r["threads"] == [32 * tiles.num_warps, 1, 1]
-            declared = gmg.cost_estimate(m, n, k, e, r["shapes"]["weight"], 2, 1)
+            declared = gmg.cost_estimate(m, n, k, e, fmt, 2, 1, weights=2 if fused else 1)
             assert r["declared_cost"] == {"flops": declared.flops, "bytes_accessed": declared.bytes_accessed}
         assert r["arch"] == "sm_90a"
         assert 0 < r["smem_bytes"] <= 227 * 1024

@@ -1,8 +1,9 @@
-"""`grouped_matmul_gpu` (the Pallas-Triton kernel for Hopper): its body run by the Pallas
-interpreter on CPU against the plain-JAX reference, its grid metadata, its declared cost, and
-the kernel compiled ahead of time for an H100 (sm_90a, through XLA's Triton and ptxas;
-dsv4_jax.tools.aot, the `aot` extra) at DeepSeek-V4-Flash's routed-expert shapes. A missing compiler
-fails (no skips). Nothing here runs on a GPU.
+"""`grouped_matmul_gpu` and `grouped_swiglu_gpu` (the Pallas-Triton kernels for Hopper): their
+bodies run by the Pallas interpreter on CPU against the plain-JAX references (the fused one also
+against the unfused kernel), the grid metadata, the declared costs, and the kernels compiled
+ahead of time for an H100 (sm_90a, through XLA's Triton and ptxas; dsv4_jax.tools.aot, the `aot`
+extra) at DeepSeek-V4-Flash's routed-expert shapes. A missing compiler fails (no skips).
+Nothing here runs on a GPU.
 
 Tolerances (`_check`, as tests/test_grouped_matmul.py): kernel and reference dequantize the same
 way (value times scale in fp32, rounded once to x's dtype: bit-identical weights) and accumulate
@@ -15,6 +16,11 @@ columns apart, against the ragged dot's order).
   2^-7 relative at worst).
 Rows past sum(group_sizes) must be exactly zero (the interpreter starts outputs as NaN, so a row
 no program stores shows up).
+The fused kernel (`grouped_swiglu_gpu`) runs the same K pieces in the same order as the unfused
+one and rounds each product to x's dtype as it does: in the interpreter it equals two
+`grouped_matmul_gpu` calls and the activation exactly (on a GPU, Triton's and XLA's sigmoid may
+differ in the last bit). Against the plain-JAX reference (fp32): the products' tolerance above,
+carried through the activation (`_swiglu_bound`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import pytest
 
 from dsv4_jax.tools import aot
 from dsv4_jax.model.quantized import QuantizedWeight
-from pallas_kernels import grouped_matmul, grouped_matmul_ref
+from pallas_kernels import (block_diagonal_matmul, grouped_matmul, grouped_matmul_ref, grouped_swiglu,
+                            grouped_swiglu_ref, swiglu)
 from pallas_kernels import grouped_matmul_gpu as gmg
 from test_grouped_matmul import _check, _weight  # the TPU kernel's tests' operands and tolerances
 
@@ -109,6 +116,128 @@ def test_grouped_matmul_gpu_layer_of_a_stack(fmt, dtype):
     for layer, out in outs.items():
         _check(out, grouped_matmul_ref(x, w, jnp.asarray(sizes), layer=layer), sizes)
     assert not np.allclose(np.asarray(outs[0], np.float32), np.asarray(outs[2], np.float32))
+
+
+def _routing(m, sizes, seed):
+    """Routing weights `[m]` in (0, 1], NaN past the groups (an exchange's unset rows: never read)."""
+    w = np.random.default_rng(seed).uniform(0.05, 1.0, m).astype(np.float32)
+    w[int(np.sum(sizes)):] = np.nan
+    return jnp.asarray(w)
+
+
+def _fused(x, w1, w3, sizes, hw, limit, layer=None):
+    return gmg.grouped_swiglu_gpu(x, (w1.values, w1.scale) if hasattr(w1, "fmt") else (w1, None),
+                                  (w3.values, w3.scale) if hasattr(w3, "fmt") else (w3, None),
+                                  jnp.asarray(sizes, jnp.int32), hw, fmt=getattr(w1, "fmt", None), limit=limit,
+                                  layer=layer, interpret=True)
+
+
+FUSED = ["fp4-decode-bf16", "fp4-multitile-fp32", "fp8-padded-fp32", "fp8-one-group-bf16", "bf16-padded",
+         "fp32-none-chosen", "fp4-large-bf16", "fp8-large-fp32"]
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.7])
+@pytest.mark.parametrize("case", FUSED)
+def test_grouped_swiglu_gpu_equals_the_unfused_kernel(case, limit):
+    """The fused kernel against `grouped_matmul_gpu` twice and `swiglu` times the routing weights:
+    equal, at decode and prefill tiles (TN halved from 128), with and without the clamp; rows past
+    the groups zero although their routing weights are NaN."""
+    fmt, dtype, e, n, k, sizes, m = MATCHES[case]
+    assert gmg.swiglu_tiles(m, e, fmt).tm == gmg.tiles(m, e, fmt).tm
+    w1, w3 = _weight(fmt, (e,), n, k, seed=n + k), _weight(fmt, (e,), n, k, seed=n + k + 1)
+    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
+    hw = _routing(m, sizes, m)
+    out = _fused(x, w1, w3, sizes, hw, limit)
+    h1, h3 = _run(x, w1, sizes), _run(x, w3, sizes)
+    want = np.asarray((swiglu(h1, h3, limit) * hw[:, None]).astype(dtype), np.float32)
+    got = np.asarray(out, np.float32)
+    total = int(np.sum(sizes))
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert np.array_equal(got[:total], want[:total]) and np.all(got[total:] == 0.0)
+
+
+def _swiglu_bound(h1, h3, hw, limit, err):
+    """|d out| per element when the products h1, h3 `[M, N]` (fp32) are off by at most err: the
+    activation's slopes (silu' <= 1.1; d/dh3 = silu(min(h1, limit))) times the routing weights."""
+    c3 = np.clip(h3, -limit, limit) if limit > 0 else h3
+    c1 = np.minimum(h1, limit) if limit > 0 else h1
+    e = np.exp(-np.abs(c1.astype(np.float64)))
+    silu = c1 * np.where(c1 >= 0, 1 / (1 + e), e / (1 + e))
+    return np.abs(hw)[:, None] * err * (1.1 * np.abs(c3) + np.abs(silu))
+
+
+@pytest.mark.parametrize("case", ["fp4-multitile-fp32", "fp8-padded-fp32", "fp8-large-fp32"])
+def test_grouped_swiglu_matches_ref(case):
+    """`grouped_swiglu` with impl="pallas" (in the interpreter: the TPU kernel twice and the
+    activation) and the GPU kernel against `grouped_swiglu_ref` (fp32), within the products'
+    tolerance carried through the activation; a layer of a stack read in place."""
+    fmt, dtype, e, n, k, sizes, m = MATCHES[case]
+    w1, w3 = _weight(fmt, (2, e), n, k, seed=k), _weight(fmt, (2, e), n, k, seed=k + 1)
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), dtype)
+    g, hw, layer = jnp.asarray(sizes, jnp.int32), _routing(m, sizes, k), jnp.int32(1)
+    want = np.asarray(grouped_swiglu_ref(x, w1, w3, g, hw, limit=0.7, layer=layer))
+    h1, h3 = (np.asarray(grouped_matmul_ref(x, w, g, layer=layer)) for w in (w1, w3))
+    err = 1e-5 * max(np.abs(h1).max(), np.abs(h3).max())
+    total = int(np.sum(sizes))
+    bound = _swiglu_bound(h1, h3, np.nan_to_num(np.asarray(hw)), 0.7, err)[:total] + 1e-6 * np.abs(want).max()
+    for got in (grouped_swiglu(x, w1, w3, g, hw, limit=0.7, layer=layer, impl="pallas"),
+                _fused(x, w1, w3, sizes, hw, 0.7, layer=layer)):
+        got = np.asarray(got)
+        assert np.all(got[total:] == 0.0)
+        assert np.all(np.abs(got - want)[:total] <= bound)
+    assert np.abs(want[:total]).max() > 0.1
+
+
+def test_grouped_swiglu_bad_input():
+    """Weights that differ, or routing weights not one per row: a ValueError naming them."""
+    w = _weight("fp4", (4,), 64, 128, seed=0)
+    x, g = jnp.zeros((8, 128), BF16), jnp.asarray([2, 2, 2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="w1 .* and w3 .* must be alike"):
+        grouped_swiglu(x, w, _weight("fp8", (4,), 64, 128, seed=0), g, jnp.ones(8), limit=0.0)
+    with pytest.raises(ValueError, match=r"hw \(8, 1\) must be \[M\]"):
+        grouped_swiglu(x, w, w, g, jnp.ones((8, 1)), limit=0.0)
+
+
+# (format, x dtype, blocks E, N, K, M): decode rows (fewer than a tile), blocks of prefill rows
+# (the large tiles: 300 rows are three tiles of a block), N and K off the tiles.
+BLOCK_DIAGONAL = {
+    "bf16-decode": ("bf16", BF16, 8, 96, 256, 3),
+    "fp8-padded-fp32": ("fp8", F32, 3, 200, 300, 20),
+    "fp4-large-bf16": ("fp4", BF16, 4, 130, 256, 300),
+    "bf16-large": ("bf16", BF16, 2, 256, 512, 130),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_DIAGONAL))
+def test_block_diagonal_matmul_gpu(case):
+    """x `[M, E*K]` times E blocks: the kernel reading x's column blocks in place equals the
+    grouped kernel on x's blocks laid out as groups of rows (exactly: the same products in the
+    same order), and `block_diagonal_matmul` (which does that re-layout off CUDA) equals a
+    float64 product per block within the grouped matmul's tolerance; a layer of a stack."""
+    fmt, dtype, e, n, k, m = BLOCK_DIAGONAL[case]
+    w = _weight(fmt, (2, e), n, k, seed=n + k)
+    values, scale, qfmt = (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, e * k)), dtype)
+    layer = jnp.int32(1)
+    out = gmg.block_diagonal_matmul_gpu(x, values, fmt=qfmt, scale=scale, layer=layer, interpret=True)
+    assert out.shape == (m, e * n) and out.dtype == dtype
+    rows = jnp.swapaxes(x.reshape(m, e, k), 0, 1).reshape(e * m, k)
+    grouped = gmg.grouped_matmul_gpu(rows, values, jnp.full((e,), m, jnp.int32), fmt=qfmt, scale=scale, layer=layer,
+                                     interpret=True)
+    want = jnp.swapaxes(grouped.reshape(e, m, n), 0, 1).reshape(m, e * n)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    dense = np.asarray(w[1].dequantize(dtype) if hasattr(w, "fmt") else w[1].astype(dtype), np.float64)
+    exact = np.einsum("mgk,gnk->mgn", np.asarray(x, np.float64).reshape(m, e, k), dense).reshape(m, e * n)
+    ref = block_diagonal_matmul(x, w, layer=layer, impl="ref")
+    _check(ref, jnp.asarray(exact, dtype), [m * e])
+    _check(out, jnp.asarray(exact, dtype), [m * e])
+
+
+def test_block_diagonal_matmul_bad_input():
+    """x whose columns are not E blocks of the weight's K: a ValueError naming the shapes."""
+    w = _weight("bf16", (4,), 64, 128, seed=0)
+    with pytest.raises(ValueError, match=r"block_diagonal_matmul: x \(8, 500\) and a weight \[4, 64, 128\]"):
+        block_diagonal_matmul(jnp.zeros((8, 500), BF16), w)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -196,6 +325,46 @@ def test_grouped_matmul_gpu_declared_cost(case):
     assert big.bytes_accessed == steps * gmg.stored_bytes_per_expert(big_n, big_k, "fp8", 1) + 2 * (m * big_k + m * big_n)
 
 
+@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill-ep", "fp8-w1-prefill-ep"])
+def test_grouped_swiglu_gpu_declared_cost(case):
+    """The fused kernel declares both weights' stored bytes of min(E, M) chosen experts, x once,
+    the routing weights and its one output; twice the flops of one product's kernel."""
+    fmt, m, n, k, E = FLASH[case]
+    stored = _stored(fmt, (E,), n, k)
+    per_expert = gmg.stored_bytes_per_expert(n, k, fmt, 1)
+
+    def fused(x, g, hw, v1, s1, v3, s3):
+        return gmg.grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=10.0)
+
+    cost = _declared(fused, S((m, k), BF16), S((E,), jnp.int32), S((m,), F32), *stored, *stored)
+    assert cost.bytes_accessed == 2 * min(E, m) * per_expert + 2 * (m * k + m * n) + 4 * m
+    assert cost.flops == 2 * gmg.cost_estimate(m, n, k, E, fmt, 2, 1).flops
+
+
+def _touching(text: str, shape: str) -> list[str]:
+    """The instructions but parameters and kernel calls whose types hold an array of `shape`
+    (a copy, a slice of the layer or a dequantized stack would)."""
+    instructions = [line for line in text.splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", line)]
+    return [line for line in instructions
+            if re.search(rf"[\[,]{shape}\]", line) and " parameter(" not in line and "custom-call(" not in line]
+
+
+@pytest.mark.parametrize("m", [8, 512], ids=["decode", "prefill"])
+def test_block_diagonal_matmul_compiles_for_h100(m):
+    """Flash's grouped output projection (8 groups of 8 heads x 512 times wo_a's bf16 blocks
+    `[8, 1024, 4096]`, one layer of a stack) through `block_diagonal_matmul(impl="pallas")`:
+    the grouped kernel alone, and no instruction holds x's blocks as groups of rows
+    `[8, M, 4096]` (nor the output's `[8, M, 1024]`) or touches the weight."""
+    e, n, k = 8, 1024, 4096
+    stack = S((3, e, n, k), BF16)
+    fn = lambda x, w, layer: block_diagonal_matmul(x, w, layer=layer, impl="pallas")  # noqa: E731
+    result = aot.compile_for("h100x1", jax.jit(fn), S((m, e * k), BF16), stack, S((), jnp.int32))
+    assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]
+    text = result.compiled.as_text()
+    for shape in (f"{e},{m},{k}", f"{e * m},{k}", f"{e},{m},{n}", f"{e * m},{n}", f"{e},{n},{k}"):
+        assert not _touching(text, shape), shape
+
+
 @pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w2-prefill", "fp8-w1-decode-layer"])
 def test_grouped_matmul_gpu_compiles_for_h100(case):
     """Through `grouped_matmul(impl="pallas")` (the dispatcher's CUDA branch), the compiled
@@ -214,34 +383,61 @@ def test_grouped_matmul_gpu_compiles_for_h100(case):
     result = aot.compile_for("h100x1", jax.jit(fn), *args)
     assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]  # the one kernel call, and Triton's:
     assert f'custom_call_target="{aot.TRITON_CALL}"' in result.compiled.as_text()
-    values = stored[0]
-    shape = ",".join(map(str, values.shape[-3:]))  # the stack, or one layer of it
-    instructions = [line for line in result.compiled.as_text().splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", line)]
-    touching = [line for line in instructions
-                if re.search(rf"[\[,]{shape}\]", line) and " parameter(" not in line and "custom-call(" not in line]
+    shape = ",".join(map(str, stored[0].shape[-3:]))  # the stack, or one layer of it
+    touching = _touching(result.compiled.as_text(), shape)
     assert not touching, touching
 
 
-@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill", "fp4-w2-prefill-ep", "fp8-w1-prefill-ep"])
+@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp8-w1-prefill-ep-layer"])
+def test_grouped_swiglu_gpu_compiles_for_h100(case):
+    """Through `grouped_swiglu(impl="pallas")`, the compiled program holds the fused Triton kernel
+    alone, and nothing else touches either weight."""
+    layered = case.endswith("-layer")
+    fmt, m, n, k, E = FLASH[case.removesuffix("-layer")]
+    lead = (2, E) if layered else (E,)
+    stored = _stored(fmt, lead, n, k)
+
+    def fn(x, g, hw, v1, s1, v3, s3, *layer):
+        w1, w3 = QuantizedWeight(v1, s1, fmt=fmt), QuantizedWeight(v3, s3, fmt=fmt)
+        return grouped_swiglu(x, w1, w3, g, hw, limit=10.0, layer=layer[0] if layer else None, impl="pallas")
+
+    args = (S((m, k), BF16), S((E,), jnp.int32), S((m,), F32), *stored, *stored)
+    result = aot.compile_for("h100x1", jax.jit(fn), *args + ((S((), jnp.int32),) if layered else ()))
+    assert aot.kernel_calls(result.compiled, "cuda") == [gmg.SWIGLU_NAME]
+    shape = ",".join(map(str, stored[0].shape[-3:]))
+    assert not _touching(result.compiled.as_text(), shape)
+
+
+@pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill", "fp4-w2-prefill-ep", "fp8-w1-prefill-ep",
+                                  "swiglu-fp4-w1-decode", "swiglu-fp4-w1-prefill-ep", "swiglu-fp8-w1-prefill-ep"])
 def test_grouped_matmul_gpu_registers(case, tmp_path):
-    """The kernel's PTX (XLA's dump of the h100x1 compile) through ptxas -v for sm_90a (the
+    """The kernels' PTX (XLA's dump of the h100x1 compile) through ptxas -v for sm_90a (the
     CUDA 12.9 one XLA uses, first on PATH once dsv4_jax.tools.aot is imported): no spills and no
     stack at any tile choice (the 128 x 256 prefill tiles hold a 128-register accumulator a
-    thread), and its shared memory (XLA's thunk sequence) within Hopper's 227 KB a block."""
-    fmt, m, n, k, e = FLASH[case]
+    thread; the fused kernel's two 128 x 128 ones as many), and its shared memory (XLA's thunk
+    sequence) within Hopper's 227 KB a block."""
+    fused = case.startswith("swiglu-")
+    fmt, m, n, k, e = FLASH[case.removeprefix("swiglu-")]
     stored = _stored(fmt, (e,), n, k)
-    aot.compile_for("h100x1", jax.jit(lambda x, g, v, s: gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)),
-                    S((m, k), BF16), S((e,), jnp.int32), *stored,
+    if fused:
+        name, tl = gmg.SWIGLU_NAME, gmg.swiglu_tiles(m, e, fmt)
+        fn = lambda x, g, hw, v1, s1, v3, s3: gmg.grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt,  # noqa: E731
+                                                                    limit=10.0)
+        args = (S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *stored, *stored)
+    else:
+        name, tl = gmg.NAME, gmg.tiles(m, e, fmt)
+        fn = lambda x, g, v, s: gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)  # noqa: E731
+        args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
+    aot.compile_for("h100x1", jax.jit(fn), *args,
                     compiler_options={"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "NONE"})
-    ptx = [p for p in tmp_path.rglob("*.ptx") if f".entry {gmg.NAME}" in p.read_text()]
+    ptx = [p for p in tmp_path.rglob("*.ptx") if f".entry {name}" in p.read_text()]
     assert len(ptx) == 1, ptx
     report = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", str(ptx[0]), "-o", os.devnull],
                             capture_output=True, text=True, check=True).stderr
-    info = report[report.index(f"Compiling entry function '{gmg.NAME}'"):]
+    info = report[report.index(f"Compiling entry function '{name}'"):]
     assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", info), info
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 255, info
     thunks = [line for p in tmp_path.glob("*thunk_sequence.txt") for line in p.read_text().splitlines()
-              if gmg.NAME in line]
+              if name in line]
     smem = int(re.search(r"shared_memory: (\d+) bytes", thunks[0]).group(1))
-    tl = gmg.tiles(m, e, fmt)
     assert f"threads: [{32 * tl.num_warps}, 1, 1]" in thunks[0] and 0 < smem <= 227 * 1024, thunks[0]

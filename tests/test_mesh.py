@@ -322,11 +322,13 @@ def test_ragged_all_to_all_exchange_equals_one_device(native, single, monkeypatc
     lacks and in place of the all-gather the CPU takes: a full forward of 6 sequences x 140 tokens
     gives one device's logits (within 1e-5 of the largest, as the other mesh tests). With a
     capacity of 0.3 T k rows per round, every exchange takes several rounds (a device receives
-    T k rows on average)."""
+    T k rows on average). The buffers the exchange leaves unset (`jax.lax.empty`: no memset on
+    TPU and GPU, zeros on CPU) start as NaN here, so a value read from a row nothing wrote shows."""
     from dsv4_jax.model import moe
 
     monkeypatch.setattr(moe, "EXCHANGE_CAPACITY", capacity)
     monkeypatch.setattr(moe, "ragged_all_to_all", _ragged_all_to_all_twin)
+    monkeypatch.setattr(moe.jax.lax, "empty", lambda shape, dtype: jax.numpy.full(shape, np.nan, dtype))
     monkeypatch.setattr(moe, "_gathered", lambda *a, gather, **kw: moe._exchanged(*a, **kw))
     mesh = sharding.make_mesh(shape)
     model = dsv4_jax.load(native, mesh=mesh, layout=layout, expert_exchange="ragged_all_to_all")

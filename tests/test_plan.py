@@ -191,35 +191,39 @@ def test_cost_counts_the_rows_a_gather_reads(target, monkeypatch):
 @pytest.mark.parametrize("target", ["v5p-8", "h100x1"])
 def test_cost_counts_kernels_by_their_declared_cost(target):
     """A Pallas kernel counts as its declared pl.CostEstimate (TPU: from its backend config; GPU:
-    from its op_name, where jax's lowering drops it); a grouped matmul under moe.ROUTED_SCOPE
-    (the routed experts) has `unchosen_bytes` taken off and its flops scaled by
-    `routed_flop_share` of its output's shape, one outside it (wo_a) not."""
+    from its op_name, where jax's lowering drops it); the routed experts' grouped kernels (under
+    moe.ROUTED_SCOPE) have `unchosen_bytes` taken off once per expert weight they read (the
+    fused first half on CUDA: two; on TPU it is two grouped-matmul calls) and their flops scaled
+    by `routed_flop_share` of their output's shape, a grouped matmul outside the scope (wo_a)
+    not."""
     import jax
     import jax.numpy as jnp
 
     from dsv4_jax.model.moe import ROUTED_SCOPE
-    from pallas_kernels import grouped_matmul
+    from pallas_kernels import grouped_matmul, grouped_swiglu
 
-    def f(x, w, v, g):
+    def f(x, y, z, w, v, g):  # (three row sets, so that no two calls are the same product)
         with jax.named_scope(ROUTED_SCOPE):
             routed = grouped_matmul(x, w, g, impl="pallas")
-        return routed, grouped_matmul(x, v, g, impl="pallas")
+            first_half = grouped_swiglu(y, w, v, g, jnp.ones(x.shape[:1]), limit=0.0, impl="pallas")
+        return routed, first_half, grouped_matmul(z, v, g, impl="pallas")
 
-    stack = jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16)
-    args = (jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), stack, stack, jax.ShapeDtypeStruct((8,), jnp.int32))
+    stack, rows = jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    args = (rows, rows, rows, stack, stack, jax.ShapeDtypeStruct((8,), jnp.int32))
     compiled = aot.compile_for(target, jax.jit(f), *args).compiled
     platform = aot.target(target).platform
-    calls = [m for line in compiled.as_text().splitlines() if "custom-call(" in line
+    calls = [(m, f"/{ROUTED_SCOPE}/" in line) for line in compiled.as_text().splitlines() if "custom-call(" in line
              for m in [plan._DECLARED.search(line) or plan.DECLARED_COST.search(line)] if m]
-    declared, flops = [float(m.group(2)) for m in calls], [float(m.group(1)) for m in calls]
-    assert len(declared) == 2 and declared[0] >= 8 * 256 * 256 * 2  # every expert's weight, at least
+    declared, flops = [float(m.group(2)) for m, _ in calls], [float(m.group(1)) for m, _ in calls]
+    assert len(calls) == (4 if platform == "tpu" else 3) and min(declared) >= 8 * 256 * 256 * 2  # every expert's
     full = plan.program_cost(compiled.as_text(), 0, None, platform)
     shapes = []
     less = plan.program_cost(compiled.as_text(), 0, None, platform, unchosen_bytes=1e5,
                              routed_flop_share=lambda m, n: shapes.append((m, n)) or 0.25)
     assert full["bytes_accessed"] >= sum(declared) and full["flops"] >= sum(flops) > 0
-    assert full["bytes_accessed"] - less["bytes_accessed"] == pytest.approx(1e5)
-    assert shapes == [(64, 256)] and full["flops"] - less["flops"] == pytest.approx(0.75 * flops[0])
+    assert full["bytes_accessed"] - less["bytes_accessed"] == pytest.approx(3e5)
+    routed_flops = sum(fl for fl, (_, routed) in zip(flops, calls) if routed)
+    assert shapes == [(64, 256)] * (len(calls) - 1) and full["flops"] - less["flops"] == pytest.approx(0.75 * routed_flops)
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h200x8"])

@@ -78,8 +78,8 @@ def output(p: dict, o: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: 
 
 
 def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """`output`'s grouped projection by `pallas_kernels.grouped_matmul`: the G groups' rows as
-    its groups, each times its block of wo_a (a LayerSlice `[G*O, H*Dh/G]`), read in place in
+    """`output`'s grouped projection by `pallas_kernels.block_diagonal_matmul`: each of the G
+    groups' columns times its block of wo_a (a LayerSlice `[G*O, H*Dh/G]`), read in place in
     the layer stack (XLA turns a product of a few rows by a layer's slice into a float32 copy
     of the slice); per device on a mesh, as the heads are split. o `[B, T, G, H*Dh/G]` ->
     `[B, T, G*O]` in wo_a's dtype."""
@@ -87,11 +87,10 @@ def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
 
     def local(o, stack, layer):
         b, t, g, d = o.shape
-        rows = jnp.swapaxes(o.reshape(b * t, g, d), 0, 1).reshape(g * b * t, d).astype(stack.dtype)
-        w = stack.reshape(stack.shape[0], g, -1, d)
-        sizes = jnp.full((g,), b * t, jnp.int32)
-        z = pallas_kernels.grouped_matmul(rows, w, sizes, layer=layer, impl=cfg.attention_impl)
-        return jnp.swapaxes(z.reshape(g, b * t, -1), 0, 1).reshape(b, t, -1)
+        z = pallas_kernels.block_diagonal_matmul(o.reshape(b * t, g * d).astype(stack.dtype),
+                                                 stack.reshape(stack.shape[0], g, -1, d), layer=layer,
+                                                 impl=cfg.attention_impl)
+        return z.reshape(b, t, -1)
 
     run = per_device(cfg, local, ((batch, None, HEADS, None), (None, HEADS, None), None), (batch, None, HEADS))
     return run(o, wo_a.stack, wo_a.index)

@@ -35,15 +35,6 @@ def learned_choice(scores: jnp.ndarray, bias: jnp.ndarray, k: int) -> jnp.ndarra
     return jax.lax.top_k(scores + bias.astype(jnp.float32), k)[1].astype(jnp.int32)
 
 
-def swiglu(h1: jnp.ndarray, h3: jnp.ndarray, limit: float) -> jnp.ndarray:
-    """silu(min(h1, limit)) * clamp(h3, -limit, limit) in fp32 (no clamp when limit is 0)."""
-    h1, h3 = h1.astype(jnp.float32), h3.astype(jnp.float32)
-    if limit > 0:
-        h1 = jnp.minimum(h1, limit)
-        h3 = jnp.clip(h3, -limit, limit)
-    return jax.nn.silu(h1) * h3
-
-
 def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = None, cfg=None,
            fp8_activations: bool = False) -> jnp.ndarray:
     """One SwiGLU expert (w1/w3 `[I, D]`, w2 `[D, I]`) on rows x `[R, D]`: `[R, D]` in w2's dtype.
@@ -53,7 +44,7 @@ def expert(x: jnp.ndarray, w1, w2, w3, limit: float, hw: jnp.ndarray | None = No
     the reference's FP8 quantization rounds them (`fp8_rounded`; the routed experts: their FP4
     weights have no FP8-activation kernel)."""
     x = fp8_rounded(x, fp8_activations)
-    h = swiglu(dense(x, w1, cfg), dense(x, w3, cfg), limit)
+    h = pallas_kernels.swiglu(dense(x, w1, cfg), dense(x, w3, cfg), limit)
     return dense(down_input(h, hw, w2.dtype, fp8_activations), w2, cfg)
 
 
@@ -136,7 +127,7 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
     experts sort past every group, where the kernel's rows are 0 (so are their h and y)."""
     E = w1.shape[0] if layer is None else w1.shape[1]
     order, _, group_sizes = _sorted_pairs(experts, E, first_expert)
-    y = _expert_rows(x[order // experts.shape[1]], weights.reshape(-1)[order][:, None], group_sizes, w1, w2, w3,
+    y = _expert_rows(x[order // experts.shape[1]], weights.reshape(-1)[order], group_sizes, w1, w2, w3,
                      limit, layer, fp8_activations, impl)
     return y, order
 
@@ -144,19 +135,17 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
 def _expert_rows(xs, hw, group_sizes, w1, w2, w3, limit, layer, fp8_activations, impl):
     """Rows xs `[R, D]` in groups by expert (group_sizes int32 `[E]`: the first rows expert 0's,
     then expert 1's ..; rows past the groups are not run and come out 0), their routing weights
-    hw fp32 `[R, 1]`: each group's rows multiplied by its expert's stored weights, read once per
-    chosen expert (none for an expert no row chose), products in the weights' compute dtype as
-    `expert` computes them -> `[R, D]` in w2's dtype."""
-
-    def gmm(rows, w):
-        # (the scope names these calls in the compiled program: dsv4-plan counts the experts
-        # that uniform routing chooses in place of the kernel's declared bound, ROUTED_SCOPE)
-        with jax.named_scope(ROUTED_SCOPE):
-            return pallas_kernels.grouped_matmul(rows.astype(w.dtype), w, group_sizes, layer=layer, impl=impl)
-
-    xs = fp8_rounded(xs, fp8_activations)
-    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
-    return gmm(down_input(h, hw, w2.dtype, fp8_activations), w2)
+    hw fp32 `[R]` (past the groups not read): each group's rows multiplied by its expert's stored
+    weights, read once per chosen expert (none for an expert no row chose), products in the
+    weights' compute dtype as `expert` computes them -> `[R, D]` in w2's dtype. The first two
+    products and their activation are one `pallas_kernels.grouped_swiglu`."""
+    # (the scope names these calls in the compiled program: dsv4-plan counts the experts that
+    # uniform routing chooses in place of the kernels' declared bound, ROUTED_SCOPE)
+    with jax.named_scope(ROUTED_SCOPE):
+        h = pallas_kernels.grouped_swiglu(fp8_rounded(xs, fp8_activations).astype(w1.dtype), w1, w3, group_sizes,
+                                          hw, limit=limit, layer=layer, impl=impl)
+        h = fp8_rounded(h.astype(w2.dtype), fp8_activations)
+        return pallas_kernels.grouped_matmul(h, w2, group_sizes, layer=layer, impl=impl)
 
 
 # The rows a device takes per round of the ragged exchange, as a multiple of the T k pairs it
@@ -277,15 +266,18 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
         sent_at, buffer_at = in_sent + lo, in_stream + lo - r * capacity
 
         def there(rows):  # this round's slices of this device's sorted pairs, into their receivers' streams
-            out = jnp.zeros((capacity,) + rows.shape[1:], rows.dtype)
+            # Left unset past the rows received: the grouped products never read x's rows past
+            # their groups (nor take them into another row's output).
+            out = jax.lax.empty((capacity,) + rows.shape[1:], rows.dtype)
             return ragged_all_to_all(rows, out, sent_at[me], count[me], buffer_at[me], mine(count), axis_name=ep)
 
         group_sizes = jnp.sum(mine(count).reshape(n, local_experts), axis=0)  # this round's rows per expert
-        y = _expert_rows(there(xs), there(hw)[:, None], group_sizes, w1, w2, w3, limit, layer, fp8_activations,
+        y = _expert_rows(there(xs), there(hw), group_sizes, w1, w2, w3, limit, layer, fp8_activations,
                          impl)
         return ragged_all_to_all(y, back, mine(buffer_at), mine(count), mine(sent_at), count[me], axis_name=ep)
 
-    back = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((T * k, x.shape[1]), w2.dtype))
+    # unset to start with: the rounds bring back the output of every pair
+    back = jax.lax.fori_loop(0, rounds, one_round, jax.lax.empty((T * k, x.shape[1]), w2.dtype))
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(back.astype(jnp.float32))
 
 

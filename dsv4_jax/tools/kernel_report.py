@@ -53,7 +53,7 @@ from pallas_kernels import compress, kv_record, sparse_attention  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
 from pallas_kernels.fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
 from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
-from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu  # noqa: E402
+from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu, grouped_swiglu_gpu  # noqa: E402
 from pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
 from pallas_kernels.hyper_connection_gpu import MIXES_BK, hc_expand_gpu, hc_mixes_gpu, hc_sum_gpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
@@ -129,22 +129,28 @@ def _fp8_activation_matmul_case(m: int, n: int, k: int) -> dict:
             "minimum_bytes": minimum}
 
 
-def _grouped_matmul_case(fmt: str, m: int, n: int, k: int) -> dict:
+def _grouped_matmul_case(fmt: str, m: int, n: int, k: int, fused: bool = False) -> dict:
     """bf16 rows `[m, k]` sorted over Flash's 256 routed experts `[256, n, k]` (FP8: e4m3, float32
     128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 tokens' top-6 rows
-    (48), prefill a 512-token chunk's (3072)."""
+    (48), prefill a 512-token chunk's (3072). fused: the experts' first half on CUDA
+    (`grouped_swiglu_gpu`: w1 and w3, fp32 routing weights `[m]`, one output)."""
     e = 256
     if fmt == "fp8":
         stored = [S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // 128), -(-k // 128)), F32)]
     else:
         stored = [S((e, n, k // 2), jnp.uint8), S((e, n, -(-k // 32)), jnp.uint8)]
-    args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
     per_expert = sum(a.size * a.dtype.itemsize for a in stored) // e
+    shapes = {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"}
+    if fused:  # as many experts as rows, at most all, of both weights; x, the routing weights, the output
+        return {"fn": {"cuda": lambda x, g, hw, v1, s1, v3, s3: grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw,
+                                                                                   fmt=fmt, limit=10.0)},
+                "args": (S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *stored, *stored), "shapes": shapes,
+                "minimum_bytes": 2 * min(e, m) * per_expert + 2 * (m * k + m * n) + 4 * m}
+    args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
     minimum = min(e, m) * per_expert + 2 * (m * k + m * n)  # as many experts as rows, at most all
     return {"fn": {"tpu": lambda x, g, v, s: grouped_matmul_tpu(x, v, g, fmt=fmt, scale=s),
                    "cuda": lambda x, g, v, s: grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)},
-            "args": args, "shapes": {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"},
-            "minimum_bytes": minimum}
+            "args": args, "shapes": shapes, "minimum_bytes": minimum}
 
 
 def _hc_case(kind: str, tokens: int, batch: int) -> dict:
@@ -206,6 +212,8 @@ CASES = {
     "grouped_matmul/fp8-w1-decode": lambda: _grouped_matmul_case("fp8", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w1-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096),
     "grouped_matmul/fp4-w2-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 4096, 2048),
+    "grouped_swiglu/fp4-decode": lambda: _grouped_matmul_case("fp4", 8 * 6, 2048, 4096, fused=True),
+    "grouped_swiglu/fp4-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 2048, 4096, fused=True),
     "indexer_scores/decode-1m": lambda: _indexer_scores_case(1, 262144),
     "indexer_scores/prefill": lambda: _indexer_scores_case(PREFILL, PREFILL // 4 + 2048),
     "hc_collapse/decode8": lambda: _hc_case("collapse", 1, 8),

@@ -285,7 +285,8 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ATTENTION_KERNEL = "dsv4_sparse_attention"
-GROUPED_KERNEL = "dsv4_grouped_matmul"
+# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's)
+GROUPED_KERNELS = {"dsv4_grouped_matmul": 1, grouped_matmul_gpu.SWIGLU_NAME: 2}
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
 # the kernels whose declared flops are FP8 products
 FP8_KERNELS = (fp8_activations_gpu.KERNEL_NAME, fp8_activations_tpu.KERNEL_NAME)
@@ -564,13 +565,14 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     which XLA counts as nothing) adds its declared cost (its pl.CostEstimate: on TPU in its
     backend config, on GPU in its op_name, `pallas_kernels._dispatch.declared_cost_scope`), or,
     where none is declared (the Mosaic GPU kernels), its operands' and result's bytes and no
-    flops. The routed experts' grouped matmul (its calls under `moe.ROUTED_SCOPE`) declares the
+    flops. The routed experts' grouped kernels (their calls under `moe.ROUTED_SCOPE`) declare the
     bytes of as many experts as could be chosen; `unchosen_bytes`, the caller's expectation of
-    those no row chooses (`unchosen_expert_bytes`), comes off each such call. It also declares
-    the flops of every step its grid could compute, over every row of its buffer, while it
-    computes only the steps of the rows that arrive: `routed_flop_share(m, n)`, the caller's
-    expectation of that share for a call with output `[m, n]` (`routed_flop_share`), scales
-    each such call's flops (None: as declared). On GPU an in-place
+    those no row chooses of one expert weight (`unchosen_expert_bytes`), comes off each such call
+    once per weight it reads (`GROUPED_KERNELS`). They also declare the flops of every step
+    their grid could compute, over every row of their buffer, while they compute only the steps
+    of the rows that arrive: `routed_flop_share(m, n)`, the caller's expectation of that share
+    for a call with output `[m, n]` (`routed_flop_share`), scales each such call's flops (None:
+    as declared). On GPU an in-place
     scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`), and a fusion that gathers rows out of a parameter those rows, not the
     whole parameter (`_gather_overcount`; a TPU gather fusion is counted by its rows already).
@@ -592,8 +594,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                 if declared:
                     flops = float(declared.group(1))
                     out += [flops, float(declared.group(2)), 0.0, flops if any(k in line for k in FP8_KERNELS) else 0.0]
-                    if f"/{ROUTED_SCOPE}/" in line and GROUPED_KERNEL in line:
-                        out[1] -= unchosen_bytes
+                    weights = next((n for name, n in GROUPED_KERNELS.items() if name in line), 0)
+                    if f"/{ROUTED_SCOPE}/" in line and weights:
+                        out[1] -= weights * unchosen_bytes
                         if routed_flop_share is not None:
                             m, n = _dims(line.split(" custom-call(")[0].split(" = ", 1)[1])
                             out[0] -= flops * (1.0 - routed_flop_share(m, n))
