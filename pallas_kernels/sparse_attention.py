@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 
 from ._dispatch import dispatch
-from .numerics import rotate_heads
+from .numerics import rotate_heads, unweighted_rms_norm
+from .query_gpu import query_norm_rope_gpu
 from .sparse_attention_fp8_gpu import sparse_attention_fp8_gpu
 from .sparse_attention_mgpu import sparse_attention_mgpu
 from .sparse_attention_ref import sparse_attention_ref
@@ -14,14 +15,17 @@ from .sparse_attention_tpu import sparse_attention_tpu
 
 
 def sparse_attention(q, kv, indices, sink, query_rope=None, *, scale: float, impl: str = "auto",
-                     rope_dim: int | None = None):
+                     rope_dim: int | None = None, q_norm_eps: float | None = None):
     """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
     sink fp32 `[H]` -> `[B, T, H, D]` in q's dtype; the semantics of `sparse_attention_ref`.
     With rope_dim, kv holds DeepSeek's FP8 records (`kv_record`) as uint32 words `[B, N, R / 4]`,
     and the kernels decode the rows they gather. With query_rope = (cos, sin) `[B, T, rope/2]`,
     q and the output are unrotated: the TPU kernel rotates them in VMEM (on TPU, rotating a
     head's last dims in XLA re-lays the whole `[T, H, D]` queries out with T minor); the GPU
-    kernels get them rotated around the call.
+    kernels get them rotated around the call. With q_norm_eps, q comes before its per-head RMS
+    norm (`unweighted_rms_norm`) too: the TPU kernel scales it in VMEM (in XLA, on TPU, the norm
+    re-lays the queries out as the rotation does); the GPU kernels get it normalized (with the
+    rotation, in one pass: `query_norm_rope_gpu`).
 
     impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU; on CUDA Mosaic GPU, or for records the
     Pallas-Triton kernel `sparse_attention_fp8_gpu` (Mosaic GPU's TMA cannot copy a 584-byte
@@ -33,10 +37,16 @@ def sparse_attention(q, kv, indices, sink, query_rope=None, *, scale: float, imp
         functools.partial(sparse_attention_fp8_gpu, **kw)
 
     def gpu(q, kv, indices, sink, query_rope):
-        if query_rope is None:
-            return gpu_kernel(q, kv, indices, sink)
-        return rotate_heads(gpu_kernel(rotate_heads(q, query_rope), kv, indices, sink), query_rope, inverse=True)
+        if q_norm_eps is not None and query_rope is not None:  # the queries as the kernels take them, one pass
+            q = query_norm_rope_gpu(q, query_rope, eps=q_norm_eps)
+        elif q_norm_eps is not None:
+            q = unweighted_rms_norm(q, q_norm_eps)
+        elif query_rope is not None:
+            q = rotate_heads(q, query_rope)
+        o = gpu_kernel(q, kv, indices, sink)
+        return o if query_rope is None else rotate_heads(o, query_rope, inverse=True)
 
+    kw["q_norm_eps"] = q_norm_eps  # (the reference and the TPU kernel take q as it comes)
     run = dispatch(
         impl,
         ref=functools.partial(sparse_attention_ref, **kw),

@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import kv_record
-from .numerics import rotate_heads
+from .numerics import rotate_heads, unweighted_rms_norm
 
 
 def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, sink: jnp.ndarray,
                          query_rope: tuple[jnp.ndarray, jnp.ndarray] | None = None, *, scale: float,
-                         rope_dim: int | None = None) -> jnp.ndarray:
+                         rope_dim: int | None = None, q_norm_eps: float | None = None) -> jnp.ndarray:
     """q `[B, T, H, D]`, kv `[B, N, D]`, indices int32 `[B, T, K]` into kv's N axis (-1: no key),
     sink fp32 `[H]`. With rope_dim, kv is FP8 records instead, as uint32 words `[B, N, R / 4]`
     (`kv_record.to_words`) of D values whose last rope_dim are RoPE'd, read as the values they
@@ -28,7 +28,11 @@ def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, 
     With query_rope = (cos, sin), fp32 `[B, T, rope/2]` each at the queries' positions, q comes
     unrotated: its heads are rotated (`rotate_heads`) before the product and o rotated back after,
     each rounded to q's dtype (the model's attention, whose queries and output are unrotated).
+    With q_norm_eps, q comes before its per-head norm as well: each head is first scaled by its
+    unweighted RMS (`unweighted_rms_norm`).
     """
+    if q_norm_eps is not None:
+        q = unweighted_rms_norm(q, q_norm_eps)
     if query_rope is not None:
         return rotate_heads(sparse_attention_ref(rotate_heads(q, query_rope), kv, indices, sink, scale=scale,
                                                  rope_dim=rope_dim), query_rope, inverse=True)

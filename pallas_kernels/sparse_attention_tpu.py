@@ -36,7 +36,10 @@ and bf16 RoPE values: exact in bf16, so a bf16 q multiplies them on the MXU in b
 
 Query rotation (query_rope given): q arrives unrotated and the kernel rotates it in VMEM, and
 rotates the output back before writing it, with the rounding of the reference's `rotate_heads`
-around the call. The wrapper hands each token its rope as lanes of q's columns (`_rope_lanes`:
+around the call. Query norm (q_norm_eps given): q arrives before its per-head RMS norm too, and
+the kernel scales each head by its unweighted RMS first, rounded as `unweighted_rms_norm` rounds
+it (the statistic in fp32, the product in q's dtype): in XLA the norm re-lays the queries out
+as the rotation does. The wrapper hands each token its rope as lanes of q's columns (`_rope_lanes`:
 cos, and sin signed for the pair's role; 1 and 0 outside the RoPE dims), so a rotation is
 x cos + partner(x) sin, a column's partner being the other member of its pair: the lane beside it
 in rows, the same column of the other of planes 0 and 1 in records. In XLA the same rotation
@@ -126,7 +129,7 @@ def _rotated(x, cos, sin, records: bool):
 
 
 def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, rows: _Rows,
-            mxu_dtype, rotate: bool):
+            mxu_dtype, rotate: bool, q_norm: tuple[int, float] | None):
     lanes_ref, *refs = refs if rotate else (None, *refs)
     idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc = refs
     records = rows.kind == "records"
@@ -185,6 +188,12 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t
     l_sc[...] = jnp.ones_like(l_sc)  # exp(sink - m) with m = sink
     acc_sc[...] = jnp.zeros_like(acc_sc)
     q = q_ref[...]  # [P, H, C]: P planes of q's columns
+    if q_norm is not None:  # (d, eps): a head's D values are spread over the planes, zeros elsewhere
+        d, eps = q_norm
+        qf = q.astype(jnp.float32)
+        squares = jnp.sum(jnp.sum(qf * qf, axis=2, keepdims=True), axis=0, keepdims=True)  # [1, H, 1]
+        r = lax.rsqrt(squares / d + eps).astype(q.dtype)
+        q = (qf * r.astype(jnp.float32)).astype(q.dtype)  # q's dtype's product: exact in fp32, rounded once
     if rotate:
         cos, sin = lanes_ref[0][:, None], lanes_ref[1][:, None]  # [P, 1, C]
         q = _rotated(q.astype(jnp.float32), cos, sin, records).astype(q_ref.dtype)
@@ -270,7 +279,8 @@ def records_supported(d: int, rope_dim: int) -> bool:
     return (d - rope_dim) % PLANES == 0 and rope_dim % 2 == 0
 
 
-def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None):
+def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None,
+          q_norm_eps: float | None):
     bsz, t_len, h, d = q.shape
     k = indices.shape[-1]
     k_pad = pl.cdiv(k, block_k) * block_k
@@ -296,7 +306,8 @@ def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, bl
     planes, width = qp.shape[2], qp.shape[-1]
     rotate = query_rope is not None
     kernel = functools.partial(_kernel, scale=float(scale), n_blocks=n_blocks, block_k=block_k,
-                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate)
+                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate,
+                               q_norm=None if q_norm_eps is None else (d, float(q_norm_eps)))
     if rotate and rope_dim is not None and rope_dim != 2 * query_rope[0].shape[-1]:
         raise ValueError(f"query_rope rotates {2 * query_rope[0].shape[-1]} dims but the records hold {rope_dim} "
                          "RoPE dims")
@@ -346,7 +357,7 @@ def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, bl
 
 
 def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float, rope_dim: int | None = None,
-                         interpret: bool = False, block_k: int = BLOCK_K):
+                         q_norm_eps: float | None = None, interpret: bool = False, block_k: int = BLOCK_K):
     """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
     interpreter, any platform). Records of a layout the kernel does not decode (`records_supported`)
     are decoded first."""
@@ -355,7 +366,8 @@ def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float,
     bsz, t_len, _, _ = q.shape
     k_pad = pl.cdiv(indices.shape[-1], block_k) * block_k
     chunk = max(1, MAX_PREFETCH_WORDS // (bsz * k_pad))
-    run = functools.partial(_call, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim)
+    run = functools.partial(_call, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim,
+                            q_norm_eps=q_norm_eps)
     if t_len <= chunk:
         return run(q, kv, indices, sink, query_rope)
     pieces = [(q[:, s:s + chunk], indices[:, s:s + chunk], None if query_rope is None else

@@ -63,7 +63,7 @@ def test_sparse_attention_on_fp8_records_compiles(target, case):
     h, d, t, k, n, dtype = RECORDS[case]
     args = (S((1, t, h, d), dtype), S((1, n, 584 // 4), jnp.uint32), S((1, t, k), jnp.int32), S((h,), F32),
             _query_rope(t))
-    fn = lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas", rope_dim=64)  # noqa: E731
+    fn = lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas", rope_dim=64, q_norm_eps=1e-6)  # noqa: E731
     assert _compiled_kernels(target, fn, *args) == ["dsv4_sparse_attention"]
 
 
@@ -80,8 +80,9 @@ COMPRESS = {
 
 
 def _query_rope(t):
-    """cos, sin at the queries' positions (rope 64), as the model passes them: the kernel rotates
-    q and the output in VMEM on TPU."""
+    """cos, sin at the queries' positions (rope 64), as the model passes them (with q before its
+    per-head norm): the kernel normalizes and rotates q and rotates the output back in VMEM on
+    TPU; on CUDA the queries' kernel normalizes and rotates them first."""
     return (S((1, t, 32), F32),) * 2
 
 
@@ -95,8 +96,9 @@ def _compiled_kernels(target, fn, *args):
 def test_sparse_attention_compiles(target, case):
     h, d, t, k, n, dtype = ATTENTION[case]
     args = (S((1, t, h, d), dtype), S((1, n, d), dtype), S((1, t, k), jnp.int32), S((h,), F32), _query_rope(t))
-    kernels = _compiled_kernels(target, lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas"), *args)
-    assert kernels == ["dsv4_sparse_attention"]
+    fn = lambda *x: sparse_attention(*x, scale=d ** -0.5, impl="pallas", q_norm_eps=1e-6)  # noqa: E731
+    queries = ["dsv4_query_norm_rope_gpu"] if aot.target(target).platform == "cuda" else []
+    assert _compiled_kernels(target, fn, *args) == queries + ["dsv4_sparse_attention"]
 
 
 @pytest.mark.parametrize("case", list(COMPRESS))

@@ -70,7 +70,9 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     # the TPU programs take the reference): the collapse (mixes, sum) before the scan body's two
     # sub-layers and the head's, the expansion after each sub-layer.
     hyper = ["dsv4_hc_mixes_gpu", "dsv4_hc_sum_gpu"] * 3 + ["dsv4_hc_expand_gpu"] * 2 if cuda else []
-    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores + hyper)
+    # On CUDA the queries' norm and rotation before each branch's attention (the TPU kernel does both).
+    queries = ["dsv4_query_norm_rope_gpu"] * 3 if cuda else []
+    assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores + hyper + queries)
     if kv_cache_dtype == "fp8":
         # No XLA op decodes K=V records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
         # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The

@@ -15,6 +15,7 @@ from pallas_kernels import grouped_matmul_gpu as gmg
 from pallas_kernels import hyper_connection_gpu as hcg
 from pallas_kernels import indexer_scores_gpu as isg
 from pallas_kernels import quantized_matmul_gpu as qmg
+from pallas_kernels import query_gpu as qg
 from dsv4_jax.tools import kernel_report as report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,8 @@ def test_report_prints_compiler_facts():
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(run.stdout)
     tpu_only = [c for c in report.CASES if c.startswith("hc_collapse/")]  # on CUDA two kernels, two cases:
-    gpu_only = [c for c in report.CASES if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores", "grouped_swiglu")]
+    gpu_only = [c for c in report.CASES
+                if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores", "grouped_swiglu", "query_norm_rope")]
     hyper = [c for c in report.CASES if c.startswith("hc_")]
     assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES
                                                            if c not in (gpu_only if t == "v5p-8" else tpu_only)]
@@ -140,6 +142,13 @@ def test_report_prints_compiler_facts():
         assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
     assert by["h100x1", "indexer_scores/decode-1m"]["declared_cost"]["bytes_accessed"] == \
         by["h100x1", "indexer_scores/decode-1m"]["minimum_bytes"]
+    # The queries' norm and rotation: a program per ROWS rows (heads of tokens), every byte once
+    # (the minimum), no spills.
+    for case in [c for c in gpu_only if c.startswith("query_norm_rope/")]:
+        r = by["h100x1", case]
+        assert r["grid"] == [-(-r["shapes"]["T"] * r["shapes"]["H"] // qg.ROWS), 1, 1] and r["arch"] == "sm_90a"
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
+        assert r["declared_cost"]["bytes_accessed"] == r["minimum_bytes"]
     # FP8 at decode (8 rows: one row tile, 256 column tiles): HBM bytes are the minimum, the weight
     # once, x once (its re-reads by the column tiles come from L2), the output once.
     decode8 = by["h100x1", "fp8_matmul/4096x4096-decode8"]

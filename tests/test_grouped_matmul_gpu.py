@@ -138,16 +138,19 @@ FUSED = ["fp4-decode-bf16", "fp4-multitile-fp32", "fp8-padded-fp32", "fp8-one-gr
 
 @pytest.mark.parametrize("limit", [0.0, 0.7])
 @pytest.mark.parametrize("case", FUSED)
-def test_grouped_swiglu_gpu_equals_the_unfused_kernel(case, limit):
-    """The fused kernel against `grouped_matmul_gpu` twice and `swiglu` times the routing weights:
-    equal, at decode and prefill tiles (TN halved from 128), with and without the clamp; rows past
-    the groups zero although their routing weights are NaN."""
+def test_grouped_swiglu_gpu_equals_the_unfused_kernel(case, limit, monkeypatch):
+    """The fused kernel against `grouped_matmul_gpu` twice (on the fused one's K pieces: the
+    same sums in the same order) and `swiglu` times the routing weights: equal, at decode and
+    prefill tiles (TN halved from 128), with and without the clamp; rows past the groups zero
+    although their routing weights are NaN."""
     fmt, dtype, e, n, k, sizes, m = MATCHES[case]
-    assert gmg.swiglu_tiles(m, e, fmt).tm == gmg.tiles(m, e, fmt).tm
+    fused_tiles, tiles = gmg.swiglu_tiles(m, e, fmt), gmg.tiles
+    assert fused_tiles.tm == tiles(m, e, fmt).tm
     w1, w3 = _weight(fmt, (e,), n, k, seed=n + k), _weight(fmt, (e,), n, k, seed=n + k + 1)
     x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
     hw = _routing(m, sizes, m)
     out = _fused(x, w1, w3, sizes, hw, limit)
+    monkeypatch.setattr(gmg, "tiles", lambda *a: tiles(*a)._replace(bk=fused_tiles.bk))
     h1, h3 = _run(x, w1, sizes), _run(x, w3, sizes)
     want = np.asarray((swiglu(h1, h3, limit) * hw[:, None]).astype(dtype), np.float32)
     got = np.asarray(out, np.float32)
@@ -421,12 +424,13 @@ def test_grouped_matmul_gpu_registers(case, tmp_path):
     stored = _stored(fmt, (e,), n, k)
     if fused:
         name, tl = gmg.SWIGLU_NAME, gmg.swiglu_tiles(m, e, fmt)
-        fn = lambda x, g, hw, v1, s1, v3, s3: gmg.grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt,  # noqa: E731
-                                                                    limit=10.0)
+        def fn(x, g, hw, v1, s1, v3, s3):
+            return gmg.grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=10.0)
         args = (S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *stored, *stored)
     else:
         name, tl = gmg.NAME, gmg.tiles(m, e, fmt)
-        fn = lambda x, g, v, s: gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)  # noqa: E731
+        def fn(x, g, v, s):
+            return gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)
         args = (S((m, k), BF16), S((e,), jnp.int32), *stored)
     aot.compile_for("h100x1", jax.jit(fn), *args,
                     compiler_options={"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "NONE"})

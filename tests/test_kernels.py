@@ -26,7 +26,7 @@ from pallas_kernels import compress, compress_ref, kv_record
 from pallas_kernels import sparse_attention, sparse_attention_ref
 from pallas_kernels import sparse_attention_tpu as sat
 from pallas_kernels.compressor_tpu import compress_tpu
-from pallas_kernels.numerics import rotate_heads
+from pallas_kernels.numerics import rotate_heads, unweighted_rms_norm
 from dsv4_jax.model.config import Yarn
 from dsv4_jax.model.rope import cos_sin, inv_freq
 
@@ -157,6 +157,39 @@ def test_sparse_attention_rotates_queries(b, t, h, d, rope, n, k, dtype, records
         np.testing.assert_array_equal(out, around)
     else:
         assert np.abs(out - around).max() <= 1e-6 * np.abs(around).max()
+
+
+@pytest.mark.parametrize(
+    "b, t, h, d, rope, n, k, dtype, records",
+    [
+        (2, 3, 8, 128, 64, 50, 200, jnp.float32, False),  # fp32 rows
+        (1, 4, 16, 512, 64, 300, 160, jnp.bfloat16, False),  # bf16 row pairs, Flash's D and rope
+        (2, 2, 8, 512, 64, 60, 130, jnp.bfloat16, True),  # Flash's 584-byte records: q in planes
+    ],
+)
+def test_sparse_attention_normalizes_queries(b, t, h, d, rope, n, k, dtype, records):
+    """With q_norm_eps the TPU kernel takes q before its per-head RMS norm too (heads scaled by
+    0.05 to 40, so the norm matters) and scales it in VMEM: against the reference (which
+    normalizes in XLA) to the tolerances above, and against the kernel called on q normalized in
+    XLA (`unweighted_rms_norm`): equal in bf16 (the statistic may differ in its last fp32 bit, the
+    bf16 factor it rounds to does not here), to 1e-5 of max |out| in fp32."""
+    seed = d + k + t
+    q, kv, idx, sink = (_record_inputs(b, t, h, d, rope, n, k, dtype, seed) if records
+                        else _attention_inputs(b, t, h, d, n, k, dtype, seed))
+    gain = np.random.default_rng(seed).uniform(0.05, 40, (b, t, h, 1))
+    raw = (q.astype(jnp.float32) * gain).astype(dtype)
+    query_rope = _query_rope(b, t, rope, seed)
+    kw = dict(scale=d ** -0.5, rope_dim=rope if records else None)
+    out = sparse_attention(raw, kv, idx, sink, query_rope, impl="pallas", q_norm_eps=1e-6, **kw)
+    _check(out, sparse_attention_ref(raw, kv, idx, sink, query_rope, q_norm_eps=1e-6, **kw))
+    pre = sparse_attention(unweighted_rms_norm(raw, 1e-6), kv, idx, sink, query_rope, impl="pallas", **kw)
+    out, pre = (np.asarray(x.astype(jnp.float32)) for x in (out, pre))
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(out, pre)
+    else:
+        assert np.abs(out - pre).max() <= 1e-5 * np.abs(pre).max()
+    unnormalized = np.asarray(sparse_attention(raw, kv, idx, sink, query_rope, impl="pallas", **kw), np.float32)
+    assert np.any(unnormalized != out)  # the norm is applied (it changes the softmax wherever that is not one-hot)
 
 
 def test_sparse_attention_impls_on_cpu():

@@ -17,7 +17,7 @@ A query's keys are its window and its compressed rows, in one softmax with the p
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +39,17 @@ from .sharding import BATCH, HEADS, per_device, rows_axis
 def query(p: dict, x: jnp.ndarray, cfg: ModelConfig):
     """x `[B, T, D]` -> (q `[B, T, H, Dh]`, q latent `[B, T, Q]`).
 
-    q = per-head unweighted RMS of wq_b(q_norm(wq_a x)), not yet rotated: `attend` rotates its
-    last dims at the queries' positions (on TPU inside the attention kernel), `rotate_heads`
-    wherever else the rotated queries are needed."""
+    q = wq_b(q_norm(wq_a x)), not yet normalized per head nor rotated: `attend` scales each head
+    by its unweighted RMS and rotates its last dims at the queries' positions (on TPU both inside
+    the attention kernel), `rotated_queries` wherever else the queries are needed."""
     c_q = rms_norm(dense(x, p["wq_a"], cfg), p["q_norm"], cfg.rms_norm_eps)
-    q = dense(c_q, p["wq_b"], cfg).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
-    return unweighted_rms_norm(q, cfg.rms_norm_eps), c_q
+    return dense(c_q, p["wq_b"], cfg).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim), c_q
+
+
+def rotated_queries(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: ModelConfig) -> jnp.ndarray:
+    """`query`'s q `[B, T, H, Dh]` as the attention multiplies it: each head scaled by its
+    unweighted RMS, then rotated at the queries' positions (rope = (cos, sin) `[B, T, rope/2]`)."""
+    return rotate_heads(unweighted_rms_norm(q, cfg.rms_norm_eps), rope)
 
 
 def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
@@ -53,14 +58,9 @@ def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: 
     return apply_rope(kv, cos, sin)
 
 
-def output(p: dict, o: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: ModelConfig) -> jnp.ndarray:
-    """o `[B, T, H, Dh]` as `attend` leaves it -> `[B, T, D]`: o rotated back at the query
-    position where attend did not (`_by_rotation`), then the grouped low-rank projection (wo_a per
-    group of H/G heads, then wo_b)."""
-    def back(o):
-        return rotate_heads(o, rope, inverse=True)
-
-    o = _by_rotation(cfg, in_kernel=lambda o: o, in_xla=back)(o)
+def output(p: dict, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """o `[B, T, H, Dh]` as `attend` leaves it (rotated back at the queries' positions) ->
+    `[B, T, D]`: the grouped low-rank projection (wo_a per group of H/G heads, then wo_b)."""
     B, T = o.shape[:2]
     G = cfg.o_groups
     o = o.reshape(B, T, G, -1)
@@ -413,12 +413,12 @@ def attend(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], ring: jnp.ndar
     window of cfg.sliding_window positions (ring `[B, R, Dh]`, R >= the window, slot s % R
     holding position s < p0; the chunk's own rows kv `[B, T, Dh]`) and, for compressed layers,
     the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
-    per-head sink. q comes unrotated (`query`): rope = (cos, sin) `[B, T, rope/2]` at the
-    queries' positions rotates its heads before the products. On TPU the attention kernel
-    rotates them in VMEM, and the output back (in XLA, rotating a head's last 64 dims of 512
-    re-lays the whole queries and output out); elsewhere q is rotated here and the output is
-    returned as the product leaves it, rotated, for `output` to rotate back after the layer's
-    branch, where XLA fuses that with the projection's read (`_by_rotation` makes both choices).
+    per-head sink. q comes as `query` leaves it, before its per-head norm and unrotated: each
+    head is normalized and then rotated by rope = (cos, sin) `[B, T, rope/2]` at the queries'
+    positions before the products (`rotated_queries`), and the output is rotated back. On TPU
+    the attention kernel does all three in VMEM (in XLA, the norm and rotating a head's last 64
+    dims of 512 re-lay the whole queries and output out); elsewhere XLA does them around the
+    kernel or the reference (`pallas_kernels.sparse_attention`).
 
     ring, kv and comp_rows may be FP8 records instead (uint32 words, `pallas_kernels.kv_record`; all
     three or none, as the cache holds them, cache.py): the kernels decode the rows they gather.
@@ -433,39 +433,32 @@ def attend(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], ring: jnp.ndar
     p0 = row_positions(p0, q.shape[0])
     rope_dim = cfg.rope_head_dim if ring.dtype == jnp.uint32 else None
 
-    def indexed(rotate_in_kernel: bool):
+    def indexed():
         idx = window_indices(p0, T, cfg.sliding_window, R)
         rows = [ring, kv]
         if comp_rows is not None:
             idx = jnp.concatenate([idx, jnp.where(comp_idx >= 0, comp_idx + R + T, -1)], axis=-1)
             rows.append(comp_rows)
-        run = per_device(cfg, partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5,
-                                      impl=cfg.attention_impl, rope_dim=rope_dim),
+        kernel = partial(pallas_kernels.sparse_attention, scale=cfg.head_dim ** -0.5, impl=cfg.attention_impl,
+                         rope_dim=rope_dim, q_norm_eps=cfg.rms_norm_eps)
+        run = per_device(cfg, kernel,
                          ((BATCH, None, HEADS, None), (BATCH, None, None), (BATCH, None, None), (HEADS,),
                           (BATCH, None, None)),
                          (BATCH, None, HEADS, None))
-        rows = jnp.concatenate(rows, axis=1)
-        if rotate_in_kernel:
-            return run(q, rows, idx, sink, rope)
-        return run(rotate_heads(q, rope), rows, idx, sink, None)
+        return run(q, jnp.concatenate(rows, axis=1), idx, sink, rope)
 
     def blocked():
         def values(rows):
             return None if rows is None else kv_record.read(rows, cfg.head_dim, cfg.rope_head_dim, q.dtype)
 
-        return _window_blocked(rotate_heads(q, rope), values(ring), values(kv), values(comp_rows), comp_idx, sink,
-                               p0, cfg.head_dim ** -0.5, cfg.sliding_window)
+        o = _window_blocked(rotated_queries(q, rope, cfg), values(ring), values(kv), values(comp_rows), comp_idx,
+                            sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
+        return rotate_heads(o, rope, inverse=True)
 
-    # the kernels' choice of implementation, with the blocked form in the reference's place for a chunk
-    in_xla = partial(indexed, False)
-    return _by_rotation(cfg, in_kernel=partial(indexed, True), in_xla=in_xla, ref=in_xla if T == 1 else blocked)()
-
-
-def _by_rotation(cfg: ModelConfig, in_kernel: Callable, in_xla: Callable, ref: Callable | None = None) -> Callable:
-    """The one choice `attend` and `output` make alike: `in_kernel` where the attention kernel
-    rotates the queries and its output itself (the TPU kernel: on TPU, and in the interpreter),
-    `in_xla` where XLA rotates them (the GPU kernels; `ref`, if given, for the reference)."""
-    return dispatch(cfg.attention_impl, ref=ref or in_xla, tpu=in_kernel, gpu=in_xla, interpret=in_kernel)
+    if T == 1:
+        return indexed()
+    # the kernels' choice of implementation, with the blocked form in the reference's place
+    return dispatch(cfg.attention_impl, ref=blocked, tpu=indexed, gpu=indexed, interpret=indexed)()
 
 
 def _window_logits(q, ring, kv, p0, scale, W):

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import kv_record
-from pallas_kernels.numerics import rms_norm, rotate_heads
+from pallas_kernels.numerics import rms_norm
 from . import attention, sharding
 from .cache import indexer_state_layers, init_cache, pool_entries, pool_view, pool_write
 from .blocks import Block, CompressedLayers, DecoderLayers, HyperConnection, MTPBlock
@@ -118,7 +118,7 @@ class _Chunk(NamedTuple):
 class _LayerInput(NamedTuple):
     """One layer's inputs to its attention branch."""
 
-    q: jnp.ndarray  # [B, T, H, Dh], unrotated (`attention.query`)
+    q: jnp.ndarray  # [B, T, H, Dh], before its per-head norm and unrotated (`attention.query`)
     kv: jnp.ndarray  # [B, T, Dh]
     x: jnp.ndarray  # [B, T, D] the normed attention input
     c_q: jnp.ndarray  # [B, T, Q] the query latent
@@ -267,7 +267,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
             keys, payload = indexer_keys()
             if ctx.measure_reuse:
                 values = [kv_record.read(x, *_kv_dims(cfg), dtype) for x in (ring, kv, ordered)]
-                q = rotate_heads(lay.q, lay.rope)
+                q = attention.rotated_queries(lay.q, lay.rope, cfg)
                 measures = attention.reuse_measures(q, *values, own_choice(keys)[1], ids, lay.sink, ch.p0, cfg)
             if not cfg.index_cache_skip_compressor:  # keep this layer's indexer keys current
                 out["indexer"] = payload
@@ -284,7 +284,7 @@ def _csa_branch(ctx: _Step, lay: _LayerInput, caches: dict, last_ids, reuse: boo
     else:
         comp_rows, comp_idx = ordered, ids
         if ctx.indexer_kl and not reuse:
-            kl = distillation_kl(rotate_heads(lay.q, lay.rope),
+            kl = distillation_kl(attention.rotated_queries(lay.q, lay.rope, cfg),
                                  kv_record.read(comp_rows, *_kv_dims(cfg), dtype), scores, ids, cfg.head_dim ** -0.5)
     o = attention.attend(lay.q, lay.rope, ring, kv, comp_rows, comp_idx, lay.sink, ch.p0, cfg)
     return o, ids, ctx.payloads(out), jnp.concatenate([jnp.asarray(measures, jnp.float32), kl[None]])
@@ -375,7 +375,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
         n_layers = next(iter(caches[group].values())).shape[0]
         target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
         new[group] = _store(group, caches[group], payload, target, ctx.chunk)
-    h = hc_post(attention.output(a, o, (cos, sin), cfg), h, post, comb, cfg)
+    h = hc_post(attention.output(a, o, cfg), h, post, comb, cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)

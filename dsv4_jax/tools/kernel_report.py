@@ -60,6 +60,7 @@ from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  
 from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
+from pallas_kernels.query_gpu import query_norm_rope_gpu  # noqa: E402
 
 TARGETS = ("v5p-8", "v6e-8", "tpu7x-8", "h100x1")
 S = jax.ShapeDtypeStruct
@@ -153,6 +154,16 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int, fused: bool = False) 
             "args": args, "shapes": shapes, "minimum_bytes": minimum}
 
 
+def _query_case(tokens: int) -> dict:
+    """The queries of `tokens` tokens `[1, tokens, 64, 512]` bf16 before their per-head norm and
+    rotation (rope 64: cos, sin `[1, tokens, 32]` fp32), made ready for the GPU attention kernels
+    (on TPU the attention kernel does both)."""
+    q, rope = S((1, tokens, H, D), BF16), S((1, tokens, ROPE // 2), F32)
+    return {"fn": {"cuda": lambda q, c, s: query_norm_rope_gpu(q, (c, s), eps=1e-6)}, "args": (q, rope, rope),
+            "shapes": {"T": tokens, "H": H, "D": D, "rope": ROPE, "x": "bfloat16"},
+            "minimum_bytes": 2 * tokens * H * D * 2 + 2 * tokens * (ROPE // 2) * 4}
+
+
 def _hc_case(kind: str, tokens: int, batch: int) -> dict:
     """The hyper-connections' passes over Flash's bf16 streams `[batch, tokens, 4, 4096]`: the
     collapse before a sub-layer (24 mixes, fp32 fn `[24, 16384]`; on CUDA its two kernels, the
@@ -224,6 +235,8 @@ CASES = {
     "hc_sum/prefill": lambda: _hc_case("sum", PREFILL, 1),
     "hc_expand/decode8": lambda: _hc_case("expand", 1, 8),
     "hc_expand/prefill": lambda: _hc_case("expand", PREFILL, 1),
+    "query_norm_rope/decode8": lambda: _query_case(8),
+    "query_norm_rope/prefill": lambda: _query_case(PREFILL),
 }
 
 
