@@ -290,7 +290,7 @@ def dsv4_grouped_matmul_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, 
 
 def dsv4_grouped_swiglu_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, x_ref, hw_ref, *refs,
                             fmt: str | None, m: int, n: int, k: int, tiles: Tiles, layered: bool,
-                            rows_per_group: None, limit: float):
+                            rows_per_group: int | None, limit: float):
     """One (column tile, step) program of `grouped_swiglu_gpu`: both products of a tile, each
     rounded to x's dtype as `grouped_matmul` rounds it, their `swiglu` times the rows' routing
     weights hw, in fp32; Triton names the kernel after this function."""
@@ -303,7 +303,7 @@ def dsv4_grouped_swiglu_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, 
         hw = pltr.load(hw_ref.at[rows], mask=mine, other=0)
         return swiglu(h1, h3, limit) * hw[:, None]
 
-    _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles, compute, m=m, n=n, rows_per_group=None)
+    _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles, compute, m=m, n=n, rows_per_group=rows_per_group)
 
 
 def stored_bytes_per_expert(n: int, k: int, fmt: str | None, values_itemsize: int) -> int:
