@@ -6,6 +6,8 @@ projection)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax.numpy as jnp
 
 from ._dispatch import dispatch
@@ -75,20 +77,14 @@ def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl
         raise ValueError(f"grouped_swiglu: w1 ({fmt or 'plain'} {list(w1.shape)}) and w3 ({fmt3 or 'plain'} "
                          f"{list(w3.shape)}) must be alike, hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
 
-    def tpu(interpret):
-        def matmul(x, w, g, layer):
-            values, scale, fmt = _stored(w)
-            return grouped_matmul_tpu(x, values, g, fmt=fmt, scale=scale, layer=layer, interpret=interpret)
-        return lambda x, g, hw, *l: grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None,
-                                                       matmul=matmul)
+    def composed(x, g, hw, *l):  # two `grouped_matmul` calls (the same impl) and the activation
+        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None,
+                                  matmul=partial(grouped_matmul, impl=impl))
 
     def gpu(x, g, hw, *l):
         return grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit, layer=l[0] if l else None)
 
-    def ref(x, g, hw, *l):
-        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None)
-
-    run = dispatch(impl, ref=ref, tpu=tpu(False), gpu=gpu, interpret=tpu(True))
+    run = dispatch(impl, ref=composed, tpu=composed, gpu=gpu, interpret=composed)
     return run(x, group_sizes, hw, *(() if layer is None else (layer,)))
 
 

@@ -46,12 +46,12 @@ def sparse_attention(q, kv, indices, sink, query_rope=None, *, scale: float, imp
         o = gpu_kernel(q, kv, indices, sink)
         return o if query_rope is None else rotate_heads(o, query_rope, inverse=True)
 
-    kw["q_norm_eps"] = q_norm_eps  # (the reference and the TPU kernel take q as it comes)
+    as_it_comes = dict(kw, q_norm_eps=q_norm_eps)  # the reference and the TPU kernel take q un-normalized
     run = dispatch(
         impl,
-        ref=functools.partial(sparse_attention_ref, **kw),
-        tpu=functools.partial(sparse_attention_tpu, **kw),
+        ref=functools.partial(sparse_attention_ref, **as_it_comes),
+        tpu=functools.partial(sparse_attention_tpu, **as_it_comes),
         gpu=gpu,
-        interpret=functools.partial(sparse_attention_tpu, **kw, interpret=True),
+        interpret=functools.partial(sparse_attention_tpu, **as_it_comes, interpret=True),
     )
     return run(q, kv, indices, sink, query_rope)
