@@ -114,9 +114,29 @@ def _sorted_pairs(experts: jnp.ndarray, n_experts: int, first_expert):
 def _grouped(x, experts, weights, w1, w2, w3, *, limit, layer=None, first_expert=None,
              fp8_activations=False, impl="auto") -> jnp.ndarray:
     """`routed_experts` by grouped products (`_pair_outputs`), each token's pairs summed in fp32."""
-    T, k = experts.shape
     y, order = _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations, impl)
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
+    return _token_sums(y, order, experts.shape)
+
+
+def _token_sums(y: jnp.ndarray, order: jnp.ndarray, pairs: tuple[int, int]) -> jnp.ndarray:
+    """The outputs y `[T k, D]` of the (token, slot) pairs of pairs = (T, k), y's row i being
+    flattened pair order[i], summed per token in fp32: `[T, D]`.
+
+    On CUDA a gather of each token's k rows summed slot by slot, which XLA fuses with what the
+    caller adds to the sum and its rounding (a scatter-add writes an fp32 `[T, D]` that the
+    caller's fusion reads back). Elsewhere a scatter-add of the rows into the tokens: on TPU
+    the gathers make XLA copy y into its fast memory first, more bytes than the scatter moves
+    (dsv4-plan on tpu7x-8)."""
+    T, k = pairs
+
+    def gathered(y, order):
+        row_of = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        return jnp.sum(y[row_of.reshape(T, k)].astype(jnp.float32), axis=1)
+
+    def scattered(y, order):
+        return jnp.zeros((T, y.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
+
+    return jax.lax.platform_dependent(y, order, cuda=gathered, default=scattered)
 
 
 def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, fp8_activations=False,
@@ -278,7 +298,7 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
 
     # unset to start with: the rounds bring back the output of every pair
     back = jax.lax.fori_loop(0, rounds, one_round, jax.lax.empty((T * k, x.shape[1]), w2.dtype))
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(back.astype(jnp.float32))
+    return _token_sums(back, order, (T, k))
 
 
 def shared_expert(x: jnp.ndarray, w1, w2, w3, limit: float, cfg=None) -> jnp.ndarray:
