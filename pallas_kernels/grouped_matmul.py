@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from ._dispatch import dispatch
 from .grouped_matmul_gpu import block_diagonal_matmul_gpu, grouped_matmul_gpu, grouped_swiglu_gpu
 from .grouped_matmul_ref import grouped_matmul_ref, grouped_swiglu_ref
-from .grouped_matmul_tpu import grouped_matmul_tpu
+from .grouped_matmul_tpu import block_diagonal_matmul_tpu, block_diagonal_supported, grouped_matmul_tpu
+from .numerics import apply_rope
 
 
 def _stored(w):
@@ -88,31 +89,62 @@ def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl
     return run(x, group_sizes, hw, *(() if layer is None else (layer,)))
 
 
-def block_diagonal_matmul(x, w, *, layer=None, impl: str = "auto"):
+def block_diagonal_matmul(x, w, *, layer=None, x_rope=None, head_dim: int | None = None, impl: str = "auto"):
     """x `[M, E*K]` times the block-diagonal weight of w's E blocks `[E, N, K]` (plain or a
     `QuantizedWeight`, as `grouped_matmul` takes it; with `layer` the stack `[L, E, N, K]`):
     `[M, E*N]` in x's dtype, x's columns g K .. (g + 1) K - 1 times block g transposed into the
     output's columns g N .. (g + 1) N - 1, products accumulated in fp32.
 
-    It is `grouped_matmul` of E groups of M rows, and so computed off CUDA (and by "ref"): x's
-    column blocks re-laid out as groups of rows, and the output back. On CUDA the grouped
-    kernel reads each group's rows in place in x's column block and writes them into the
-    output's (`block_diagonal_matmul_gpu`)."""
+    With x_rope = (cos, sin) fp32 `[M, r/2]`: x's columns are heads of head_dim values whose last
+    r are rotated at each row's angle (the attention's output at its queries' rotation, as
+    `rotate_heads` leaves a head), and they are rotated back first, rounded to x's dtype
+    (`rotate_heads(..., inverse=True)`).
+
+    It is `grouped_matmul` of E groups of M rows. The kernels read each group's rows in place in
+    x's column block and write them into the output's, rotating x's RoPE dims as they load them
+    (on CUDA `block_diagonal_matmul_gpu`; on TPU, and in the interpreter elsewhere,
+    `block_diagonal_matmul_tpu` where its blocks are whole lanes). Otherwise, and by "ref": x
+    rotated back and its column blocks re-laid out as groups of rows, and the output back."""
     lead = 2 if layer is not None else 1
     if x.ndim != 2 or len(w.shape) != lead + 2 or x.shape[1] != w.shape[lead - 1] * w.shape[-1]:
         stack = "[L, E, N, K]" if layer is not None else "[E, N, K]"
         raise ValueError(f"block_diagonal_matmul: x {tuple(x.shape)} and a weight {list(w.shape)} (needs x "
                          f"[M, E*K], w {stack})")
     e, m = w.shape[lead - 1], x.shape[0]
+    if x_rope is not None and (head_dim is None or head_dim % 2 or w.shape[-1] % head_dim
+                               or any(a.shape != (m, x_rope[0].shape[-1]) for a in x_rope)
+                               or 2 * x_rope[0].shape[-1] > head_dim):
+        raise ValueError(f"block_diagonal_matmul: x_rope {[tuple(a.shape) for a in x_rope]} for x {tuple(x.shape)} "
+                         f"in heads of head_dim {head_dim} (needs cos, sin [M, r/2], r <= head_dim, heads whole "
+                         "in a block)")
     values, scale, fmt = _stored(w)
+    rope = () if x_rope is None else tuple(x_rope)
 
-    def as_groups(x, *l):
+    def split(args):  # (x_rope or None, layer or None) of the operands after x
+        *cs, l = args if layer is not None else (*args, None)
+        return (tuple(cs) or None), l
+
+    def as_groups(x, *args):
+        cs, l = split(args)
+        if cs:
+            x = apply_rope(x.reshape(m, -1, head_dim), cs[0][:, None], cs[1][:, None], inverse=True).reshape(m, -1)
         rows = jnp.swapaxes(x.reshape(m, e, -1), 0, 1).reshape(e * m, -1)
-        z = grouped_matmul(rows, w, jnp.full((e,), m, jnp.int32), layer=l[0] if l else None, impl=impl)
+        z = grouped_matmul(rows, w, jnp.full((e,), m, jnp.int32), layer=l, impl=impl)
         return jnp.swapaxes(z.reshape(e, m, -1), 0, 1).reshape(m, -1)
 
-    def gpu(x, *l):
-        return block_diagonal_matmul_gpu(x, values, fmt=fmt, scale=scale, layer=l[0] if l else None)
+    def tpu_kernel(interpret):
+        if not block_diagonal_supported(w.shape[-1], w.shape[-2], fmt, head_dim if rope else None):
+            return as_groups
 
-    run = dispatch(impl, ref=as_groups, tpu=as_groups, gpu=gpu, interpret=as_groups)
-    return run(x, *(() if layer is None else (layer,)))
+        def run(x, *args):
+            cs, l = split(args)
+            return block_diagonal_matmul_tpu(x, values, fmt=fmt, scale=scale, layer=l, x_rope=cs, head_dim=head_dim,
+                                             interpret=interpret)
+        return run
+
+    def gpu(x, *args):
+        cs, l = split(args)
+        return block_diagonal_matmul_gpu(x, values, fmt=fmt, scale=scale, layer=l, x_rope=cs, head_dim=head_dim)
+
+    run = dispatch(impl, ref=as_groups, tpu=tpu_kernel(False), gpu=gpu, interpret=tpu_kernel(True))
+    return run(x, *rope, *(() if layer is None else (layer,)))

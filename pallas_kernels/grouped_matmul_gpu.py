@@ -92,6 +92,7 @@ from jax.experimental.pallas import triton as pltr
 
 from ._dispatch import declared_cost_scope, layer_operand
 from .grouped_matmul_ref import swiglu
+from .numerics import apply_rope
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
 from .quantized_matmul_gpu import L2_BYTES
 
@@ -202,11 +203,34 @@ def _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles: Tiles, compu
         pltr.store(out_at, jnp.zeros((tm, tn), o_ref.dtype), mask=store_mask)
 
 
-def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | None, k: int, n: int, tiles: Tiles):
+def _rope_piece(x_ref, rows, c0, mine, cos_ref, sin_ref):
+    """x_ref's rows `[TM]` (mine: those loaded) at the RoPE dims of one head, columns c0 ..
+    c0 + r - 1 in pairs (2i, 2i + 1), rotated back at each row's angle (cos_ref, sin_ref fp32
+    `[rows, r/2]`): `[TM, r]` in x's dtype, in fp32 as `apply_rope(..., inverse=True)` computes
+    it and rounded once. A pair's members are loaded apart and interleaved back in registers
+    (Triton's join)."""
+    half = cos_ref.shape[-1]
+    pair = jax.lax.iota(jnp.int32, half)
+    ok = mine[:, None]
+
+    def load(ref, cols):
+        return pltr.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0).astype(jnp.float32)
+
+    re, im = load(x_ref, c0 + 2 * pair), load(x_ref, c0 + 2 * pair + 1)
+    cos, sin = load(cos_ref, pair), -load(sin_ref, pair)  # the inverse: the conjugate
+    rotated = jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1)
+    return rotated.reshape(rows.shape[0], 2 * half).astype(x_ref.dtype)
+
+
+def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | None, k: int, n: int, tiles: Tiles,
+              x_rope=None):
     """x's rows of this tile, x_at = (their rows in x, their first column: None for the group's,
     g K), mine: those of its group, times each expert weight of `weights` ((values ref, scale ref
     or None) pairs, read at `lead` + (column tile j's columns, K)): one `[TM, TN]` fp32 product a
-    weight, x's K pieces loaded once for all of them."""
+    weight, x's K pieces loaded once for all of them. With x_rope = (cos_ref, sin_ref, head_dim)
+    (block-diagonal: x's K columns are heads of head_dim, whose last r dims are rotated), K is
+    taken head by head: its NoPE dims in pieces of BK (which divides them), then its RoPE dims
+    as one piece, rotated back (`_rope_piece`)."""
     tm, tn, bk = tiles.tm, tiles.tn, tiles.bk
     # fp32 must stay fp32 (Triton's default for fp32 operands is TF32).
     precision = jax.lax.Precision.DEFAULT if x_ref.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
@@ -235,9 +259,9 @@ def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | N
         # Filled after the cast: Triton's masked load takes no e4m3 fill value.
         return jnp.where(ok, pltr.load(at, mask=ok).astype(dtype), jnp.asarray(fill, dtype))
 
-    def dequantized(kb, v_ref, s_ref):  # the weight's `[TN, BK]` piece kb, in x's dtype
+    def dequantized(kb, size, v_ref, s_ref):  # the weight's `[TN, size]` piece kb (columns from kb size), in x's dtype
         if fmt == "fp4":
-            nb, per = bk // 2, bk // FP4_GROUP  # code bytes and scales of a piece
+            nb, per = size // 2, size // FP4_GROUP  # code bytes and scales of a piece
             codes = weight_piece(v_ref, kb * nb, nb, k // 2, 0, jnp.int32)
             # A masked scale reads as 1 (byte 127); its codes are masked to 0 already.
             s = _e8m0(weight_piece(s_ref, kb * per, per, s_ref.shape[-1], 127, jnp.int32))
@@ -245,10 +269,10 @@ def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | N
             lo = (_e2m1(codes & 15) * scale).astype(x_ref.dtype)
             hi = (_e2m1(codes >> 4) * scale).astype(x_ref.dtype)
             # Interleaved in registers (Triton's join): byte c's nibbles are columns 2c, 2c + 1.
-            return jnp.stack([lo, hi], axis=-1).reshape(tn, bk)
-        w = weight_piece(v_ref, kb * bk, bk, k, 0, jnp.float32 if fmt == "fp8" else x_ref.dtype)
+            return jnp.stack([lo, hi], axis=-1).reshape(tn, size)
+        w = weight_piece(v_ref, kb * size, size, k, 0, jnp.float32 if fmt == "fp8" else x_ref.dtype)
         if fmt == "fp8":  # the piece lies in one 128-column block: a scale per 128 rows
-            kblock = (kb * bk) // FP8_BLOCK
+            kblock = (kb * size) // FP8_BLOCK
             if tn <= FP8_BLOCK:  # and in one 128-row block: one scale
                 sc = s_ref[lead + ((j * tn) // FP8_BLOCK, kblock)]
             else:  # each row's block's scale (a masked row's weight is zero already)
@@ -257,12 +281,25 @@ def _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, *, fmt: str | N
             w = (w * sc).astype(x_ref.dtype)
         return w
 
+    def piece(kb, x, accs):  # x's piece kb (its width's) times each weight's
+        return tuple(acc + product(x, dequantized(kb, x.shape[1], v, sc)) for acc, (v, sc) in zip(accs, weights))
+
     def step(kb, accs):
-        x = x_piece(kb * bk + jax.lax.iota(jnp.int32, bk))
-        return tuple(acc + product(x, dequantized(kb, v, sc)) for acc, (v, sc) in zip(accs, weights))
+        return piece(kb, x_piece(kb * bk + jax.lax.iota(jnp.int32, bk)), accs)
 
     zeros = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in weights)
-    return jax.lax.fori_loop(0, pl.cdiv(k, bk), step, zeros)
+    if x_rope is None:
+        return jax.lax.fori_loop(0, pl.cdiv(k, bk), step, zeros)
+    cos_ref, sin_ref, head_dim = x_rope
+    rope = 2 * cos_ref.shape[-1]
+    nope = head_dim - rope  # BK and the RoPE dims divide it, and BK the RoPE dims (`rope_fused`)
+
+    def head(h, accs):
+        accs = jax.lax.fori_loop(h * (head_dim // bk), h * (head_dim // bk) + nope // bk, step, accs)
+        x = _rope_piece(x_ref, x_rows, x_col0 + h * head_dim + nope, mine, cos_ref, sin_ref)
+        return piece(h * (head_dim // rope) + nope // rope, x, accs)
+
+    return jax.lax.fori_loop(0, k // head_dim, head, zeros)
 
 
 def _weight_refs(refs, fmt: str | None, count: int):
@@ -274,15 +311,19 @@ def _weight_refs(refs, fmt: str | None, count: int):
 
 def dsv4_grouped_matmul_gpu(start_ref, end_ref, group_ref, live_ref, layer_ref, x_ref, *refs,
                             fmt: str | None, m: int, n: int, k: int, tiles: Tiles, layered: bool,
-                            rows_per_group: int | None):
+                            rows_per_group: int | None, head_dim: int | None = None):
     """One (column tile, step) program of `grouped_matmul_gpu` (and of
-    `block_diagonal_matmul_gpu`: rows_per_group, `_program`); Triton names the kernel after
-    this function."""
+    `block_diagonal_matmul_gpu`: rows_per_group, `_program`; with head_dim, refs start with the
+    rows' cos and sin, `_rope_piece`); Triton names the kernel after this function."""
+    x_rope = None
+    if head_dim is not None:
+        x_rope, refs = (*refs[:2], head_dim), refs[2:]
     weights, (o_ref,) = _weight_refs(refs, fmt, 1)
 
     def compute(g, j, rows, x_at, mine, cols, col_ok):
         lead = (layer_ref[0], g) if layered else (g,)
-        (acc,) = _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, fmt=fmt, k=k, n=n, tiles=tiles)
+        (acc,) = _products(x_ref, weights, lead, j, x_at, mine, cols, col_ok, fmt=fmt, k=k, n=n, tiles=tiles,
+                           x_rope=x_rope)
         return acc
 
     _program(start_ref, end_ref, group_ref, live_ref, o_ref, tiles, compute, m=m, n=n, rows_per_group=rows_per_group)
@@ -336,11 +377,12 @@ def cost_estimate(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: i
 
 
 def _call(kernel, name: str, x, weights, group_sizes, extra, *, fmt: str | None, layer, tile_choice,
-          interpret: bool, rows_per_group: int | None = None, **params):
+          interpret: bool, rows_per_group: int | None = None, extra_bytes: int = 0, **params):
     """The pallas_call of `kernel` over x `[M, K]` sorted by group and the expert weights
     `weights` ((values, scale) pairs, each `[E, N, K]`-shaped as stored, or `[L, E, ...]` with
-    `layer`), `extra` operands after x, tiles `tile_choice(M, E, fmt)`: `[M, N]` in x's dtype.
-    rows_per_group R: block-diagonal, x `[R, E*K]` -> `[R, E*N]` (`block_diagonal_matmul_gpu`)."""
+    `layer`), `extra` operands after x (extra_bytes: what they add to `cost_estimate`'s bytes),
+    tiles `tile_choice(M, E, fmt)`: `[M, N]` in x's dtype. rows_per_group R: block-diagonal, x
+    `[R, E*K]` -> `[R, E*N]` (`block_diagonal_matmul_gpu`)."""
     layered = layer is not None
     grouped = x if rows_per_group is None else jax.ShapeDtypeStruct(
         (x.shape[0] * weights[0][0].shape[-3], x.shape[1] // weights[0][0].shape[-3]), x.dtype)
@@ -355,6 +397,8 @@ def _call(kernel, name: str, x, weights, group_sizes, extra, *, fmt: str | None,
     body = functools.partial(kernel, fmt=fmt, m=m, n=n, k=k, tiles=tl, layered=layered, rows_per_group=rows_per_group,
                              **params)
     cost = cost_estimate(m, n, k, e, fmt, x.dtype.itemsize, weights[0][0].dtype.itemsize, len(weights))
+    cost = pl.CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
+                           bytes_accessed=cost.bytes_accessed + extra_bytes)
     with declared_cost_scope(cost):
         return pl.pallas_call(
             body,
@@ -381,18 +425,59 @@ def grouped_matmul_gpu(x, values, group_sizes, *, fmt: str | None = None, scale=
                  tile_choice=tiles, interpret=interpret)
 
 
-def block_diagonal_matmul_gpu(x, values, *, fmt: str | None = None, scale=None, layer=None,
-                              interpret: bool = False):
+def block_diagonal_matmul_gpu(x, values, *, fmt: str | None = None, scale=None, layer=None, x_rope=None,
+                              head_dim: int | None = None, interpret: bool = False):
     """x `[M, E*K]` times the block-diagonal weight whose E blocks values `[E, N, K]` holds (as
     `grouped_matmul_gpu` takes them; `[L, E, ...]` with `layer`): `[M, E*N]`, x's columns
     g K .. (g + 1) K - 1 times block g transposed into columns g N .. (g + 1) N - 1. The grouped
     matmul of E groups of M rows, group g's rows read in place in x's column block g and
-    written into the output's (no re-layout of x into groups of rows, nor back)."""
+    written into the output's (no re-layout of x into groups of rows, nor back). With x_rope =
+    (cos, sin) fp32 `[M, r/2]`: x's columns are heads of head_dim whose last r dims are rotated
+    at each row's angle, rotated back as they are loaded (`_rope_piece`) where the heads allow
+    (`rope_fused`), else by XLA first."""
     e = values.shape[-3] if values.ndim >= 3 else 1
     if x.ndim != 2 or x.shape[1] % e:
         raise ValueError(f"block_diagonal_matmul_gpu: x {tuple(x.shape)} must be [M, E*K] for {e} blocks")
-    return _call(dsv4_grouped_matmul_gpu, NAME, x, [(values, scale)], jnp.full((e,), x.shape[0], jnp.int32), [],
-                 fmt=fmt, layer=layer, tile_choice=tiles, interpret=interpret, rows_per_group=x.shape[0])
+    extra, params, tile_choice = [], {}, tiles
+    if x_rope is not None:
+        half = x_rope[0].shape[-1]
+        if head_dim is None or head_dim % 2 or 2 * half > head_dim or (x.shape[1] // e) % head_dim:
+            raise ValueError(f"block_diagonal_matmul_gpu: x {tuple(x.shape)} is not heads of head_dim {head_dim} "
+                             f"with {2 * half} RoPE dims")
+        bk = rope_fused(head_dim, half, fmt)
+        if bk is None:
+            m = x.shape[0]
+            x = apply_rope(x.reshape(m, -1, head_dim), x_rope[0][:, None], x_rope[1][:, None],
+                           inverse=True).reshape(m, -1)
+        else:
+            extra = [a.astype(jnp.float32) for a in x_rope]
+            params = dict(head_dim=head_dim, extra_bytes=sum(a.size * 4 for a in extra))
+            tile_choice = lambda m, e, fmt: rope_tiles(m, e, fmt, bk)  # noqa: E731
+    return _call(dsv4_grouped_matmul_gpu, NAME, x, [(values, scale)], jnp.full((e,), x.shape[0], jnp.int32), extra,
+                 fmt=fmt, layer=layer, tile_choice=tile_choice, interpret=interpret, rows_per_group=x.shape[0],
+                 **params)
+
+
+def rope_tiles(m: int, e: int, fmt: str | None, bk: int) -> Tiles:
+    """`block_diagonal_matmul_gpu`'s tiles when it rotates x's heads back: `tiles`' with K
+    pieces of bk (`rope_fused`), and at the large tiles TN 128, which leaves the registers for
+    the RoPE piece's two members, cos and sin (ptxas, sm_90a: TN 256 spills)."""
+    tl = tiles(m, e, fmt)._replace(bk=bk)
+    return tl._replace(tn=128) if tl.tm == LARGE.tm else tl
+
+
+def rope_fused(head_dim: int, half: int, fmt: str | None) -> int | None:
+    """The K piece (BK) with which `block_diagonal_matmul_gpu` rotates x's heads back as it
+    loads them: one that divides a head's NoPE dims and its r RoPE dims (64: Flash's and Pro's
+    448 and 64, the large tiles' BK), r a power of two from 16 (one tensor-core piece, r/2 lanes
+    a member) that divides the NoPE dims (the pieces are whole multiples of their width), plain
+    weights or FP8 ones (the RoPE dims then within one 128-column scale block); None where it
+    cannot."""
+    nope, rope = head_dim - 2 * half, 2 * half
+    if fmt == "fp4" or rope < 16 or rope & (rope - 1) or nope % rope or (
+            fmt == "fp8" and nope % FP8_BLOCK + rope > FP8_BLOCK):
+        return None
+    return next((bk for bk in (64, 32, 16) if nope % bk == 0 and rope % bk == 0), None)
 
 
 def swiglu_tiles(m: int, e: int, fmt: str | None = None) -> Tiles:

@@ -42,6 +42,7 @@ and high nibbles' values interleaved back into x's column order by in-vreg lane 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._dispatch import layer_operand
+from .sparse_attention_tpu import rotated_lanes
 
 LANES = 128  # the lane width, and the FP8 scale block
 FP4_BYTES = 16  # code bytes per FP4 scale (32 elements)
@@ -259,15 +261,31 @@ def _fp4_dequantize(v_ref, s_ref, w_ref, b_ref, t_ref):
     jax.lax.fori_loop(0, kx // (2 * LANES), chunk, 0)
 
 
-def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, *refs, fmt: str | None,
-            k_total: int, scales_transposed: bool):
+def _heads_rotated(x, cos_ref, sin_ref, head_dim: int):
+    """x `[TM, K]`, heads of head_dim columns whose last W lanes hold their RoPE dims, with
+    those lanes rotated by the rows' rope lanes cos_ref / sin_ref fp32 `[TM, W]` (1 and 0 on
+    NoPE lanes; sin signed for the pair member, `rotated_lanes`), in fp32, rounded to x's dtype
+    as `apply_rope` rounds. W and head_dim are whole lanes: every slice is lane-aligned."""
+    w = cos_ref.shape[-1]
+    cos, sin = cos_ref[...][None], sin_ref[...][None]
+    pieces = []
+    for end in range(head_dim, x.shape[1] + 1, head_dim):
+        if head_dim > w:
+            pieces.append(x[:, end - head_dim:end - w])
+        pieces.append(rotated_lanes(x[None, :, end - w:end].astype(jnp.float32), cos, sin)[0].astype(x.dtype))
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x_ref, *refs, fmt: str | None,
+            k_total: int, scales_transposed: bool, head_dim: int | None):
     del x_tile_ref, layer_ref  # used by the index maps only
+    lanes, refs = (refs[:2], refs[2:]) if head_dim else (None, refs)
     if fmt is None:
-        x_ref, v_ref, o_ref = refs
+        v_ref, o_ref = refs
     elif fmt == "fp8":
-        x_ref, v_ref, s_ref, o_ref, w_ref = refs
+        v_ref, s_ref, o_ref, w_ref = refs
     else:
-        (x_ref, v_ref, s_ref, o_ref, w_ref, b_ref), t_ref = refs[:6], (refs[6] if scales_transposed else None)
+        (v_ref, s_ref, o_ref, w_ref, b_ref), t_ref = refs[:5], (refs[5] if scales_transposed else None)
     n_tile, t = pl.program_id(0), pl.program_id(1)
     group, tile = group_ref[t], tile_ref[t]
     prev = jnp.maximum(t - 1, 0)
@@ -287,6 +305,8 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, *
     @pl.when(computes)
     def _():
         x = x_ref[...]
+        if lanes is not None:
+            x = _heads_rotated(x, *lanes, head_dim)
         if fmt is not None:
             w = w_ref[...]
         else:
@@ -325,11 +345,85 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
     if tm % ROWS or tn % LANES:
         raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
-    kx = x_columns(k, fmt)
     m_tiles = pl.cdiv(m, tm)
     # Rows up to whole tiles and columns up to whole lanes, as zeros: x is small beside the
     # weights, and zeros past K cancel the weight tile's columns there.
-    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, kx - k)))
+    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, x_columns(k, fmt) - k)))
+    return _call(x, values, group_sizes, m_tiles, tm, tn, fmt=fmt, scale=scale, layer=layer, k=k, n=n,
+                 chosen=min(e, m), interpret=interpret)[:m]
+
+
+def block_diagonal_supported(k: int, n: int, fmt: str | None, head_dim: int | None) -> bool:
+    """Whether `block_diagonal_matmul_tpu` reads x `[M, E*K]` in place for an output `[M, E*N]`:
+    its blocks must be whole lanes (K and N multiples of 128; plain or FP8, whose K needs no
+    repacking), and with rope, heads of whole lanes."""
+    return k % LANES == 0 and n % LANES == 0 and fmt != "fp4" and (head_dim is None or (
+        head_dim % LANES == 0 and k % head_dim == 0))
+
+
+def rope_lanes(x_rope, head_dim: int, inverse: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Each row's rope as the lanes of a head's last W = 2 r/2 rounded up to 128 columns, fp32
+    `[M, W]` each: cos, and sin signed for the pair member (-sin on the even dim and +sin on the
+    odd one, the other way round for the inverse); 1 and 0 on the NoPE lanes (`rotated_lanes`).
+    x_rope = (cos, sin) `[M, r/2]`."""
+    cos, sin = (a.astype(jnp.float32) for a in x_rope)
+    m, half = cos.shape
+    w = min(head_dim, _round(2 * half, LANES))
+    sign = -1.0 if inverse else 1.0
+    signed = jnp.stack([-sign * sin, sign * sin], axis=-1).reshape(m, 2 * half)
+    return (jnp.concatenate([jnp.ones((m, w - 2 * half), jnp.float32), jnp.repeat(cos, 2, axis=-1)], axis=1),
+            jnp.concatenate([jnp.zeros((m, w - 2 * half), jnp.float32), signed], axis=1))
+
+
+def block_diagonal_matmul_tpu(x, values, *, fmt: str | None = None, scale=None, layer=None, x_rope=None,
+                              head_dim: int | None = None, interpret: bool = False):
+    """x `[M, E*K]` times the block-diagonal weight of values' E blocks `[E, N, K]` (as
+    `grouped_matmul_tpu` takes them; `[L, E, ...]` with `layer`): `[M, E*N]`, x's columns
+    g K .. (g + 1) K - 1 times block g transposed into columns g N .. (g + 1) N - 1. The grouped
+    kernel over E groups of M rows whose index maps read group g's rows in place in x's column
+    block g and write them into the output's (`block_diagonal_supported` shapes; ValueError
+    otherwise). With x_rope = (cos, sin) fp32 `[M, r/2]`: x's columns are heads of head_dim
+    whose last r dims are rotated at each row's angle, and the kernel rotates them back in VMEM
+    (`rotate_heads(..., inverse=True)`'s rounding) before the product."""
+    layered = layer is not None
+    e = values.shape[-3]
+    m, ek = x.shape
+    k = ek // e
+    grouped = jax.ShapeDtypeStruct((m * e, k), x.dtype)
+    _, _, _, n, _ = operand_shapes("block_diagonal_matmul_tpu", grouped, values, fmt, layered)
+    if ek % e or not block_diagonal_supported(k, n, fmt, head_dim if x_rope is not None else None):
+        raise ValueError(f"block_diagonal_matmul_tpu: x {tuple(x.shape)}, a {fmt or 'plain'} weight "
+                         f"{list(values.shape)} and head_dim {head_dim}: the blocks are not whole lanes")
+    tm, tn = tiles(m, n, k, 1, fmt, x.dtype.itemsize, values.dtype.itemsize)
+    if vmem_bytes(tm, n, n, k, 1, fmt, x.dtype.itemsize, values.dtype.itemsize) <= VMEM_BUDGET:
+        tn = n  # x's row tile is fetched once per column tile: one, where the whole width fits
+    m_tiles = pl.cdiv(m, tm)
+    # Not padded to whole row tiles: a group's last tile reads past x's rows (rows of their own,
+    # whatever they hold) and its writes past the output's are dropped.
+    lanes = None if x_rope is None else rope_lanes(x_rope, head_dim, inverse=True)
+    return _call(x, values, jnp.full((e,), m_tiles * tm, jnp.int32), m_tiles * e, tm, tn, fmt=fmt, scale=scale,
+                 layer=layer, k=k, n=n, chosen=e, interpret=interpret, diagonal=_Diagonal(m, m_tiles, lanes, head_dim))
+
+
+class _Diagonal(NamedTuple):
+    """The block-diagonal form of `_call`: group g's rows are x's row tiles 0 .. m_tiles - 1 at
+    its column block g (and the output's), of its `rows` rows; lanes: the rows' rope lanes
+    (`rope_lanes`) or None."""
+    rows: int
+    m_tiles: int
+    lanes: tuple[jnp.ndarray, jnp.ndarray] | None
+    head_dim: int | None
+
+
+def _call(x, values, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | None, scale, layer, k: int,
+          n: int, chosen: int, interpret: bool, diagonal: _Diagonal | None = None):
+    """The pallas_call over x padded to whole tiles: `[m_tiles TM, N]` (block-diagonal: `[rows,
+    E N]`), `grouped_matmul_tpu`'s product; chosen: the most experts its rows may choose (the
+    declared cost's)."""
+    layered = layer is not None
+    e = values.shape[-3]
+    kx = x_columns(k, fmt)
+    m = m_tiles * tm
     steps = max_steps(m_tiles, m, e)
     meta = _metadata(group_sizes, m_tiles, tm, steps)
     kv_block = kx // 2 if fmt == "fp4" else kx
@@ -340,9 +434,23 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
         return index
 
     layer_axis = (None,) if layered else ()
-    in_specs = [pl.BlockSpec((tm, kx), lambda j, t, group, tile, x_tile, *_: (x_tile[t], 0)),
-                pl.BlockSpec(layer_axis + (None, tn, kv_block), stack_map(lambda j: (j, 0)))]
-    operands = [x, values]
+    lanes = () if diagonal is None or diagonal.lanes is None else diagonal.lanes
+    if diagonal is None:
+        x_spec = pl.BlockSpec((tm, kx), lambda j, t, group, tile, x_tile, *_: (x_tile[t], 0))
+        out_spec = pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (tile[t], j))
+        out_shape = (m, n)
+    else:  # group g's row tile r: x's row tile r at column block g, and the output's
+        mt = diagonal.m_tiles
+        # (lax's div and rem: jnp's floor forms lower to a sign that Mosaic's index maps lack)
+        x_spec = pl.BlockSpec((tm, kx), lambda j, t, group, tile, x_tile, *_: (jax.lax.rem(x_tile[t], mt),
+                                                                             jax.lax.div(x_tile[t], mt)))
+        out_spec = pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (jax.lax.rem(tile[t], mt),
+                                                                       jax.lax.div(tile[t], mt) * (n // tn) + j))
+        out_shape = (diagonal.rows, e * n)
+    lane_specs = [pl.BlockSpec((tm, a.shape[1]), lambda j, t, group, tile, x_tile, *_: (jax.lax.rem(x_tile[t], mt), 0))
+                  for a in lanes]
+    in_specs = [x_spec, *lane_specs, pl.BlockSpec(layer_axis + (None, tn, kv_block), stack_map(lambda j: (j, 0)))]
+    operands = [x, *lanes, values]
     scratch = []
     scales_transposed = False
     s_read = 0  # scale bytes read: FP4 all of a chosen expert's, FP8 the whole layer's
@@ -370,22 +478,24 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     # choose no more), each expert's stored values and scales once (FP8: the layer's scales
     # once); x once per column tile; the output once. The MXU runs TM rows on every computing
     # step.
-    chosen = min(e, m)
-    read = chosen * (n * kv * values.dtype.itemsize + (s_read if fmt == "fp4" else 0)) + (s_read if fmt == "fp8" else 0)
+    # (Block-diagonal: the same, x and the rope lanes fetched once per step and column tile.)
+    read = chosen * (n * values.shape[-1] * values.dtype.itemsize + (s_read if fmt == "fp4" else 0)) + (
+        s_read if fmt == "fp8" else 0)
     cost = pl.CostEstimate(flops=2 * steps * tm * n * kx, transcendentals=0,
-                           bytes_accessed=read + col_tiles * x.size * x.dtype.itemsize
-                           + m_tiles * tm * n * x.dtype.itemsize)
+                           bytes_accessed=read + m * n * x.dtype.itemsize
+                           + col_tiles * (x.size * x.dtype.itemsize + e * sum(a.size * 4 for a in lanes)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(col_tiles, steps),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (tile[t], j)),
+        out_specs=out_spec,
         scratch_shapes=scratch,
     )
-    out = pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, k_total=k, scales_transposed=scales_transposed),
+    return pl.pallas_call(
+        functools.partial(_kernel, fmt=fmt, k_total=k, scales_transposed=scales_transposed,
+                          head_dim=diagonal.head_dim if lanes else None),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype),
         # Column tiles may be split between TensorCores (v5p's megacore); the steps must run in
         # order on one core, since a group's later steps reuse its dequantized tile.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
@@ -394,4 +504,3 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
         interpret=interpret,
         name="dsv4_grouped_matmul",
     )(*meta, layer_operand(layer), *operands)
-    return out[:m]

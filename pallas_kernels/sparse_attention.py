@@ -20,12 +20,12 @@ def sparse_attention(q, kv, indices, sink, query_rope=None, *, scale: float, imp
     sink fp32 `[H]` -> `[B, T, H, D]` in q's dtype; the semantics of `sparse_attention_ref`.
     With rope_dim, kv holds DeepSeek's FP8 records (`kv_record`) as uint32 words `[B, N, R / 4]`,
     and the kernels decode the rows they gather. With query_rope = (cos, sin) `[B, T, rope/2]`,
-    q and the output are unrotated: the TPU kernel rotates them in VMEM (on TPU, rotating a
-    head's last dims in XLA re-lays the whole `[T, H, D]` queries out with T minor); the GPU
-    kernels get them rotated around the call. With q_norm_eps, q comes before its per-head RMS
-    norm (`unweighted_rms_norm`) too: the TPU kernel scales it in VMEM (in XLA, on TPU, the norm
-    re-lays the queries out as the rotation does); the GPU kernels get it normalized (with the
-    rotation, in one pass: `query_norm_rope_gpu`).
+    q comes unrotated and the output stays at the queries' rotation (as the reference leaves
+    it): the TPU kernel rotates q in VMEM (on TPU, rotating a head's last dims in XLA re-lays the
+    whole `[T, H, D]` queries out with T minor); the GPU kernels get it rotated. With
+    q_norm_eps, q comes before its per-head RMS norm (`unweighted_rms_norm`) too: the TPU kernel
+    scales it in VMEM (in XLA, on TPU, the norm re-lays the queries out as the rotation does);
+    the GPU kernels get it normalized (with the rotation, in one pass: `query_norm_rope_gpu`).
 
     impl: "ref" (plain JAX), "pallas" (Mosaic TPU on TPU; on CUDA Mosaic GPU, or for records the
     Pallas-Triton kernel `sparse_attention_fp8_gpu` (Mosaic GPU's TMA cannot copy a 584-byte
@@ -43,8 +43,7 @@ def sparse_attention(q, kv, indices, sink, query_rope=None, *, scale: float, imp
             q = unweighted_rms_norm(q, q_norm_eps)
         elif query_rope is not None:
             q = rotate_heads(q, query_rope)
-        o = gpu_kernel(q, kv, indices, sink)
-        return o if query_rope is None else rotate_heads(o, query_rope, inverse=True)
+        return gpu_kernel(q, kv, indices, sink)
 
     as_it_comes = dict(kw, q_norm_eps=q_norm_eps)  # the reference and the TPU kernel take q un-normalized
     run = dispatch(

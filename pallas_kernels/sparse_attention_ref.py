@@ -26,16 +26,16 @@ def sparse_attention_ref(q: jnp.ndarray, kv: jnp.ndarray, indices: jnp.ndarray, 
     with the softmax and accumulation in fp32; a row with no valid key gives 0.
 
     With query_rope = (cos, sin), fp32 `[B, T, rope/2]` each at the queries' positions, q comes
-    unrotated: its heads are rotated (`rotate_heads`) before the product and o rotated back after,
-    each rounded to q's dtype (the model's attention, whose queries and output are unrotated).
+    unrotated: its heads are rotated (`rotate_heads`, rounded to q's dtype) before the product.
+    o is left as the products give it, at the queries' rotation: the model rotates it back in
+    its output projection (`block_diagonal_matmul`'s x_rope).
     With q_norm_eps, q comes before its per-head norm as well: each head is first scaled by its
     unweighted RMS (`unweighted_rms_norm`).
     """
     if q_norm_eps is not None:
         q = unweighted_rms_norm(q, q_norm_eps)
     if query_rope is not None:
-        return rotate_heads(sparse_attention_ref(rotate_heads(q, query_rope), kv, indices, sink, scale=scale,
-                                                 rope_dim=rope_dim), query_rope, inverse=True)
+        q = rotate_heads(q, query_rope)
     if rope_dim is not None:
         kv = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32)
     valid = indices >= 0

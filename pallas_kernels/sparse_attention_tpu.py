@@ -34,9 +34,9 @@ four planes' products and the output comes out as planes, which the wrapper puts
 no byte is moved between lanes in the kernel. Decoded values are e4m3 codes times powers of two
 and bf16 RoPE values: exact in bf16, so a bf16 q multiplies them on the MXU in bf16.
 
-Query rotation (query_rope given): q arrives unrotated and the kernel rotates it in VMEM, and
-rotates the output back before writing it, with the rounding of the reference's `rotate_heads`
-around the call. Query norm (q_norm_eps given): q arrives before its per-head RMS norm too, and
+Query rotation (query_rope given): q arrives unrotated and the kernel rotates it in VMEM, with
+the rounding of the reference's `rotate_heads` (the output stays at the queries' rotation, as
+the reference leaves it). Query norm (q_norm_eps given): q arrives before its per-head RMS norm too, and
 the kernel scales each head by its unweighted RMS first, rounded as `unweighted_rms_norm` rounds
 it (the statistic in fp32, the product in q's dtype): in XLA the norm re-lays the queries out
 as the rotation does. The wrapper hands each token its rope as lanes of q's columns (`_rope_lanes`:
@@ -113,7 +113,7 @@ def _record_planes(words, rows: _Rows):
     return planes
 
 
-def _rotated(x, cos, sin, records: bool):
+def rotated_lanes(x, cos, sin, records: bool = False):
     """x fp32 `[P, H, W]` rotated by its rope lanes cos / sin `[P, 1, W]`: x cos + partner(x) sin."""
     if records:  # planes 0 and 1 hold a pair's even and odd dim in the same column
         partner = jnp.concatenate([x[1:2], x[:1], x[2:]], axis=0)
@@ -196,7 +196,7 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t
         q = (qf * r.astype(jnp.float32)).astype(q.dtype)  # q's dtype's product: exact in fp32, rounded once
     if rotate:
         cos, sin = lanes_ref[0][:, None], lanes_ref[1][:, None]  # [P, 1, C]
-        q = _rotated(q.astype(jnp.float32), cos, sin, records).astype(q_ref.dtype)
+        q = rotated_lanes(q.astype(jnp.float32), cos, sin, records).astype(q_ref.dtype)
     if q.dtype != mxu_dtype:
         q = q.astype(mxu_dtype)
     # Stated, not left to jax_default_matmul_precision: Mosaic rejects an fp32-precision bf16 product.
@@ -229,10 +229,7 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t
             acc_sc[i] = alpha * acc_sc[i] + pv
         m_sc[...] = m_new
 
-    o = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
-    if rotate:  # back, at the query's position
-        o = _rotated(o.astype(jnp.float32), cos, -sin, records).astype(o_ref.dtype)
-    o_ref[...] = o
+    o_ref[...] = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
 
 
 def _rope_lanes(query_rope, d: int, record_words: tuple[int, int] | None):

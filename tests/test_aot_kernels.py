@@ -81,8 +81,8 @@ COMPRESS = {
 
 def _query_rope(t):
     """cos, sin at the queries' positions (rope 64), as the model passes them (with q before its
-    per-head norm): the kernel normalizes and rotates q and rotates the output back in VMEM on
-    TPU; on CUDA the queries' kernel normalizes and rotates them first."""
+    per-head norm): the kernel normalizes and rotates q in VMEM on TPU; on CUDA the queries'
+    kernel normalizes and rotates them first."""
     return (S((1, t, 32), F32),) * 2
 
 

@@ -40,11 +40,13 @@ def test_report_prints_compiler_facts():
     matmuls = [c for c in report.CASES
                if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "grouped_swiglu", "fp8_activation_matmul")]
     fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
+    block_diagonal = [c for c in report.CASES if c.startswith("block_diagonal_matmul/")]  # the grouped kernels' form
     for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
         # the attention over FP8 records, "..._fp8"
-        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only + hyper
+        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only + hyper + block_diagonal
         suffix = ("_fp8" if r["case"] in fp8_records else "_gpu") if triton else ""
-        assert r["kernel"] == "dsv4_" + r["case"].split("/")[0] + suffix
+        kernel = "grouped_matmul" if r["case"] in block_diagonal else r["case"].split("/")[0]
+        assert r["kernel"] == "dsv4_" + kernel + suffix
         assert r["minimum_bytes"] > 0 and r["program_memory"]["output_bytes"] > 0
         assert ("grid" in r) == triton
 
@@ -142,6 +144,16 @@ def test_report_prints_compiler_facts():
         assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
     assert by["h100x1", "indexer_scores/decode-1m"]["declared_cost"]["bytes_accessed"] == \
         by["h100x1", "indexer_scores/decode-1m"]["minimum_bytes"]
+    # The grouped output projection, its heads rotated back as loaded: at least the minimum declared
+    # (wo_a's blocks, x, the output, the rows' cos and sin), no spills on the H100, and on TPU the
+    # program moves no more than 10 % beyond the kernel's own (x is read in place, not re-laid out).
+    for case in block_diagonal:
+        tpu, gpu = by["v5p-8", case], by["h100x1", case]
+        for r in (tpu, gpu):
+            assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+        assert tpu["xla_cost"]["bytes_accessed"] <= 1.1 * tpu["declared_cost"]["bytes_accessed"]
+        assert gpu["arch"] == "sm_90a" and 0 < gpu["smem_bytes"] <= 227 * 1024
+        assert 0 < gpu["registers"] <= 255 and gpu["spill_bytes"] == {"stores": 0, "loads": 0}
     # The queries' norm and rotation: a program per ROWS rows (heads of tokens), every byte once
     # (the minimum), no spills.
     for case in [c for c in gpu_only if c.startswith("query_norm_rope/")]:

@@ -32,7 +32,7 @@ from dsv4_jax.model.indexer import select_topk  # noqa: E402
 from pallas_kernels import indexer_scores_ref  # noqa: E402
 from dsv4_jax.model.moe import (learned_choice, route, routed_experts, router_scores,  # noqa: E402
                           shared_expert)
-from pallas_kernels.numerics import apply_rope, rotate_heads
+from pallas_kernels.numerics import apply_rope
 from dsv4_jax.model.rope import cos_sin, inv_freq, layer_inv_freqs  # noqa: E402
 from pallas_kernels import sparse_attention_ref  # noqa: E402
 
@@ -528,9 +528,9 @@ def test_sparse_attention_with_sink(name):
 @pytest.mark.parametrize("layer_type", ["none", "main", "compress"])
 @torch.no_grad()
 def test_grouped_output_projection(name, layer_type):
-    """The attention's inverse rope at the query position (`rotate_heads(..., inverse=True)`, which
-    `attention.attend` applies around the reference and the GPU kernels) and attention.output
-    (wo_a per group, then wo_b) vs the tail of DeepseekV4Attention.forward:
+    """attention.output (the attention's output rotated back at the query position, then wo_a per
+    group, then wo_b; o as `attention.attend` leaves it, at the queries' rotation) vs the tail of
+    DeepseekV4Attention.forward:
     apply_rotary_pos_emb(o, cos, -sin), then DeepseekV4GroupedLinear (o_a_proj) and o_b_proj.
     "none" isolates the projection (cos = 1, sin = 0); "main"/"compress" use the rotary module's
     tables at random positions up to 1e6.
@@ -558,7 +558,7 @@ def test_grouped_output_projection(name, layer_type):
     ref = mod.o_b_proj(grouped)
 
     p = {"wo_a": _j(mod.o_a_proj.weight), "wo_b": _j(mod.o_b_proj.weight)}
-    ours = ours_attn.output(p, rotate_heads(_j(o), (_j(cos_t), _j(sin_t)), inverse=True), cfg)
+    ours = ours_attn.output(p, _j(o), (_j(cos_t), _j(sin_t)), cfg)
     assert ours.shape == ref.shape == (B, S, cfg.hidden_size)
     assert_close(ours, ref, 1e-5, "grouped output projection")
 

@@ -288,3 +288,106 @@ def test_grouped_matmul_compiles_and_reads_chosen_experts_once(target, case):
     assert declared <= 1.1 * (chosen + 2 * m * (k + n))
     hlo = result.compiled.as_text()
     assert [op for a in weights for op in _stack_ops(hlo, a)] == []
+
+
+# ----------------------------------------------------------------------------- block-diagonal form
+
+def _rope(m, half, seed):
+    """cos, sin fp32 `[m, half]` of random angles (a row's RoPE at its position)."""
+    angle = np.random.default_rng(seed).uniform(-np.pi, np.pi, (m, half))
+    return jnp.asarray(np.cos(angle), F32), jnp.asarray(np.sin(angle), F32)
+
+
+# (format, x dtype, blocks E, N, K, M, head_dim, RoPE dims): decode rows, a prefill chunk's 512
+# (tiles of 512 rows, the whole width N in one column tile), rows off the 16-row tile; RoPE dims
+# under and over a lane's 128 within their head (the rotated lanes are the head's last 128).
+BLOCK_DIAGONAL = {
+    "bf16-decode": ("bf16", BF16, 4, 128, 256, 3, 128, 64),
+    "fp32-prefill": ("fp32", F32, 2, 256, 512, 512, 256, 32),
+    "fp8-rows40": ("fp8", BF16, 2, 384, 256, 40, 256, 128),
+    "bf16-head512": ("bf16", BF16, 2, 128, 1024, 24, 512, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_DIAGONAL))
+def test_block_diagonal_matmul_tpu(case):
+    """x `[M, E*K]` times E blocks by the TPU kernel's block-diagonal form (each group's rows read
+    in place in x's column block), with and without x_rope (x's heads rotated back in VMEM):
+    against `block_diagonal_matmul(impl="ref")` (x rotated back by `apply_rope` in XLA, laid out
+    as groups of rows, the ragged product) within the tolerances above, and equal to what the
+    dispatcher runs for "pallas" off TPU; and the rotation changes the result (so it is applied)."""
+    fmt, dtype, e, n, k, m, head_dim, rope = BLOCK_DIAGONAL[case]
+    w = _weight(fmt, (2, e), n, k, seed=n + k)
+    values, scale, qfmt = (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, e * k)), dtype)
+    layer = jnp.int32(1)
+    x_rope = _rope(m, rope // 2, seed=m + rope)
+    for cs in (None, x_rope):
+        out = gmt.block_diagonal_matmul_tpu(x, values, fmt=qfmt, scale=scale, layer=layer, x_rope=cs,
+                                            head_dim=head_dim, interpret=True)
+        ref = pallas_kernels.block_diagonal_matmul(x, w, layer=layer, x_rope=cs, head_dim=head_dim, impl="ref")
+        assert out.shape == (m, e * n) and out.dtype == dtype
+        _check(out, ref, [m])
+        # the dispatcher's "pallas" off TPU: this kernel, interpreted
+        dispatched = pallas_kernels.block_diagonal_matmul(x, w, layer=layer, x_rope=cs, head_dim=head_dim,
+                                                          impl="pallas")
+        np.testing.assert_array_equal(np.asarray(dispatched, F32), np.asarray(out, F32))
+    unrotated = gmt.block_diagonal_matmul_tpu(x, values, fmt=qfmt, scale=scale, layer=layer, interpret=True)
+    assert np.abs(np.asarray(out.astype(F32)) - np.asarray(unrotated.astype(F32))).max() > 1e-2
+
+
+def test_block_diagonal_matmul_rope_lanes():
+    """Each row's rope as the lanes of a head's last 128 columns: cos on both members of a pair,
+    sin signed for the member (the inverse's: +sin on the even dim, -sin on the odd one), and 1
+    and 0 on the NoPE lanes before them."""
+    cos, sin = _rope(2, 32, seed=0)
+    lanes_cos, lanes_sin = gmt.rope_lanes((cos, sin), 512, inverse=True)
+    assert lanes_cos.shape == lanes_sin.shape == (2, 128)
+    np.testing.assert_array_equal(lanes_cos[:, :64], 1.0)
+    np.testing.assert_array_equal(lanes_sin[:, :64], 0.0)
+    np.testing.assert_array_equal(lanes_cos[:, 64::2], cos)
+    np.testing.assert_array_equal(lanes_cos[:, 65::2], cos)
+    np.testing.assert_array_equal(lanes_sin[:, 64::2], sin)
+    np.testing.assert_array_equal(lanes_sin[:, 65::2], -sin)
+
+
+def test_block_diagonal_matmul_shapes():
+    """The TPU form takes blocks of whole lanes (and heads of whole lanes with rope); elsewhere
+    `block_diagonal_matmul` re-lays x out instead, with the same result. A rope that does not fit
+    x's heads is a ValueError naming the shapes."""
+    assert gmt.block_diagonal_supported(4096, 1024, None, 512)
+    assert not gmt.block_diagonal_supported(192, 128, None, None)
+    assert not gmt.block_diagonal_supported(256, 128, "fp4", None)
+    assert not gmt.block_diagonal_supported(256, 128, None, 64)
+    with pytest.raises(ValueError, match="blocks are not whole lanes"):
+        gmt.block_diagonal_matmul_tpu(jnp.zeros((8, 384), BF16), jnp.zeros((2, 128, 192), BF16))
+    w = _weight("bf16", (2,), 96, 192, seed=1)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 384)), BF16)
+    cs = _rope(5, 8, seed=1)
+    out = pallas_kernels.block_diagonal_matmul(x, w, x_rope=cs, head_dim=64, impl="pallas")
+    _check(out, pallas_kernels.block_diagonal_matmul(x, w, x_rope=cs, head_dim=64, impl="ref"), [5])
+    with pytest.raises(ValueError, match=r"x_rope \[\(5, 8\), \(5, 8\)\] for x \(5, 384\) in heads of head_dim 100"):
+        pallas_kernels.block_diagonal_matmul(x, w, x_rope=cs, head_dim=100)
+
+
+@pytest.mark.parametrize("m", [8, 512], ids=["decode", "prefill"])
+@pytest.mark.parametrize("target", TPU_TARGETS)
+def test_block_diagonal_matmul_compiles_for_tpu(target, m):
+    """Flash's grouped output projection (8 groups of 8 heads x 512, rotated back at the rows'
+    angles, times wo_a's bf16 blocks `[8, 1024, 4096]`, one layer of a stack) through
+    `block_diagonal_matmul(impl="pallas")`: the grouped kernel alone, no op copies or re-lays out
+    the stack, and none holds x's blocks as groups of rows `[8, M, 4096]` (nor the output's)."""
+    e, n, k = 8, 1024, 4096
+    stack = S((3, e, n, k), BF16)
+
+    def fn(x, w, layer, cos, sin):
+        return pallas_kernels.block_diagonal_matmul(x, w, layer=layer, x_rope=(cos, sin), head_dim=512,
+                                                    impl="pallas")
+
+    result = aot.compile_for(target, jax.jit(fn), S((m, e * k), BF16), stack, S((), jnp.int32), S((m, 32), F32),
+                             S((m, 32), F32))
+    assert aot.kernel_calls(result.compiled, "tpu") == ["dsv4_grouped_matmul"]
+    hlo = result.compiled.as_text()
+    assert _stack_ops(hlo, stack) == []
+    for shape in (f"{e},{m},{k}", f"{e * m},{k}", f"{e},{m},{n}", f"{e * m},{n}"):
+        assert f"[{shape}]" not in hlo, shape

@@ -236,6 +236,57 @@ def test_block_diagonal_matmul_gpu(case):
     _check(out, jnp.asarray(exact, dtype), [m * e])
 
 
+# (format, x dtype, blocks E, N, K, M, head_dim, RoPE dims): Flash's heads (512, RoPE 64: NoPE
+# pieces of 64) at decode rows and at the large tiles; RoPE dims 16 (pieces of 16) and 32; FP8
+# weights (RoPE dims within one scale block); and heads the kernel cannot rotate as it loads
+# them (RoPE 8 dims: under one tensor-core piece; FP4), rotated by XLA first.
+ROTATED = {
+    "flash-heads-decode-bf16": ("bf16", BF16, 2, 96, 1024, 3, 512, 64),
+    "flash-heads-large-bf16": ("bf16", BF16, 2, 128, 1024, 130, 512, 64),
+    "rope16-fp32": ("fp32", F32, 3, 70, 192, 20, 96, 16),
+    "fp8-rope32-bf16": ("fp8", BF16, 2, 200, 256, 9, 128, 32),
+    "rope8-xla-bf16": ("bf16", BF16, 2, 64, 128, 5, 64, 8),
+    "fp4-xla-bf16": ("fp4", BF16, 2, 64, 256, 5, 128, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(ROTATED))
+def test_block_diagonal_matmul_gpu_rotates_back(case):
+    """With x_rope, x's heads (the attention's output at its queries' rotation) are rotated back
+    as the kernel loads them, head by head (NoPE pieces, then the RoPE dims as one piece,
+    `rope_fused`): against `block_diagonal_matmul(impl="ref")` (rotated by `apply_rope` in XLA)
+    within the tolerances above, the rotation visibly applied; where the heads do not allow it,
+    the same result with XLA's rotation first."""
+    fmt, dtype, e, n, k, m, head_dim, rope = ROTATED[case]
+    w = _weight(fmt, (2, e), n, k, seed=n + k)
+    values, scale, qfmt = (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
+    assert (gmg.rope_fused(head_dim, rope // 2, qfmt) is None) == ("-xla-" in case)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, e * k)), dtype)
+    angle = np.random.default_rng(k).uniform(-np.pi, np.pi, (m, rope // 2))
+    x_rope = (jnp.asarray(np.cos(angle), F32), jnp.asarray(np.sin(angle), F32))
+    layer = jnp.int32(1)
+    out = gmg.block_diagonal_matmul_gpu(x, values, fmt=qfmt, scale=scale, layer=layer, x_rope=x_rope,
+                                        head_dim=head_dim, interpret=True)
+    ref = block_diagonal_matmul(x, w, layer=layer, x_rope=x_rope, head_dim=head_dim, impl="ref")
+    assert out.shape == (m, e * n) and out.dtype == dtype
+    _check(out, ref, [m * e])
+    plain = block_diagonal_matmul(x, w, layer=layer, impl="ref")
+    assert np.abs(np.asarray(ref, np.float32) - np.asarray(plain, np.float32)).max() > 1e-2
+
+
+def test_block_diagonal_matmul_gpu_rope_tiles():
+    """Flash's and Pro's heads (512 values, RoPE 64) are rotated as loaded in K pieces of 64; the
+    large tiles then take TN 128 (the registers for the RoPE piece); not FP4, RoPE pieces under 16
+    values or across an FP8 scale block, nor NoPE dims that are not whole RoPE pieces.""" 
+    assert gmg.rope_fused(512, 32, None) == gmg.rope_fused(512, 32, "fp8") == 64
+    assert gmg.rope_fused(96, 8, None) == 16
+    assert gmg.rope_fused(64, 4, None) is None and gmg.rope_fused(512, 32, "fp4") is None
+    assert gmg.rope_fused(512, 128, "fp8") is None and gmg.rope_fused(512, 128, None) == 64
+    assert gmg.rope_fused(224, 32, None) is None  # 160 NoPE dims: not pieces of 64 RoPE dims
+    assert gmg.rope_tiles(512 * 8, 8, None, 64) == gmg.LARGE._replace(tn=128)
+    assert gmg.rope_tiles(8, 8, None, 64) == gmg.tiles(8, 8)._replace(bk=64)
+
+
 def test_block_diagonal_matmul_bad_input():
     """x whose columns are not E blocks of the weight's K: a ValueError naming the shapes."""
     w = _weight("bf16", (4,), 64, 128, seed=0)
@@ -352,19 +403,26 @@ def _touching(text: str, shape: str) -> list[str]:
             if re.search(rf"[\[,]{shape}\]", line) and " parameter(" not in line and "custom-call(" not in line]
 
 
+@pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("m", [8, 512], ids=["decode", "prefill"])
-def test_block_diagonal_matmul_compiles_for_h100(m):
+def test_block_diagonal_matmul_compiles_for_h100(m, rotated):
     """Flash's grouped output projection (8 groups of 8 heads x 512 times wo_a's bf16 blocks
-    `[8, 1024, 4096]`, one layer of a stack) through `block_diagonal_matmul(impl="pallas")`:
-    the grouped kernel alone, and no instruction holds x's blocks as groups of rows
-    `[8, M, 4096]` (nor the output's `[8, M, 1024]`) or touches the weight."""
+    `[8, 1024, 4096]`, one layer of a stack; "rotated": x's heads rotated back at the rows'
+    angles, as the model calls it) through `block_diagonal_matmul(impl="pallas")`: the grouped
+    kernel alone, and no instruction holds x (rotated, or its blocks as groups of rows
+    `[8, M, 4096]`), the output's blocks `[8, M, 1024]` or the weight."""
     e, n, k = 8, 1024, 4096
     stack = S((3, e, n, k), BF16)
-    fn = lambda x, w, layer: block_diagonal_matmul(x, w, layer=layer, impl="pallas")  # noqa: E731
-    result = aot.compile_for("h100x1", jax.jit(fn), S((m, e * k), BF16), stack, S((), jnp.int32))
+    rope = (S((m, 32), F32),) * 2 if rotated else ()
+
+    def fn(x, w, layer, *cs):
+        return block_diagonal_matmul(x, w, layer=layer, x_rope=cs or None, head_dim=512, impl="pallas")
+
+    result = aot.compile_for("h100x1", jax.jit(fn), S((m, e * k), BF16), stack, S((), jnp.int32), *rope)
     assert aot.kernel_calls(result.compiled, "cuda") == [gmg.NAME]
     text = result.compiled.as_text()
-    for shape in (f"{e},{m},{k}", f"{e * m},{k}", f"{e},{m},{n}", f"{e * m},{n}", f"{e},{n},{k}"):
+    for shape in (f"{m},{e * k}", f"{m},{e},{k}", f"{e},{m},{k}", f"{e * m},{k}", f"{e},{m},{n}", f"{e * m},{n}",
+                  f"{e},{n},{k}"):
         assert not _touching(text, shape), shape
 
 
@@ -412,7 +470,8 @@ def test_grouped_swiglu_gpu_compiles_for_h100(case):
 
 
 @pytest.mark.parametrize("case", ["fp4-w1-decode", "fp4-w1-prefill", "fp4-w2-prefill-ep", "fp8-w1-prefill-ep",
-                                  "swiglu-fp4-w1-decode", "swiglu-fp4-w1-prefill-ep", "swiglu-fp8-w1-prefill-ep"])
+                                  "swiglu-fp4-w1-decode", "swiglu-fp4-w1-prefill-ep", "swiglu-fp8-w1-prefill-ep",
+                                  "rotated-decode", "rotated-prefill"])
 def test_grouped_matmul_gpu_registers(case, tmp_path):
     """The kernels' PTX (XLA's dump of the h100x1 compile) through ptxas -v for sm_90a (the
     CUDA 12.9 one XLA uses, first on PATH once dsv4_jax.tools.aot is imported): no spills and no
@@ -420,14 +479,22 @@ def test_grouped_matmul_gpu_registers(case, tmp_path):
     thread; the fused kernel's two 128 x 128 ones as many), and its shared memory (XLA's thunk
     sequence) within Hopper's 227 KB a block."""
     fused = case.startswith("swiglu-")
-    fmt, m, n, k, e = FLASH[case.removeprefix("swiglu-")]
-    stored = _stored(fmt, (e,), n, k)
-    if fused:
+    if case.startswith("rotated-"):  # Flash's grouped output projection, its heads rotated back as loaded
+        m = 8 if case == "rotated-decode" else 512
+        name, tl = gmg.NAME, gmg.rope_tiles(8 * m, 8, None, gmg.rope_fused(512, 32, None))
+        def fn(x, v, cos, sin):
+            return gmg.block_diagonal_matmul_gpu(x, v, x_rope=(cos, sin), head_dim=512)
+        args = (S((m, 8 * 4096), BF16), S((8, 1024, 4096), BF16), S((m, 32), F32), S((m, 32), F32))
+    elif fused:
+        fmt, m, n, k, e = FLASH[case.removeprefix("swiglu-")]
+        stored = _stored(fmt, (e,), n, k)
         name, tl = gmg.SWIGLU_NAME, gmg.swiglu_tiles(m, e, fmt)
         def fn(x, g, hw, v1, s1, v3, s3):
             return gmg.grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=10.0)
         args = (S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *stored, *stored)
     else:
+        fmt, m, n, k, e = FLASH[case]
+        stored = _stored(fmt, (e,), n, k)
         name, tl = gmg.NAME, gmg.tiles(m, e, fmt)
         def fn(x, g, v, s):
             return gmg.grouped_matmul_gpu(x, v, g, fmt=fmt, scale=s)

@@ -131,12 +131,12 @@ def _query_rope(b, t, rope, seed):
     ],
 )
 def test_sparse_attention_rotates_queries(b, t, h, d, rope, n, k, dtype, records, prefetch_words, monkeypatch):
-    """With query_rope the TPU kernel takes q unrotated, rotates it in VMEM and rotates the output
-    back before writing it: against the reference (which rotates around its product, in XLA) to
-    the tolerances above, and against the kernel itself called on q rotated in XLA, with the
-    output rotated back there: equal in bf16 (the same products of the same rounded q), and to
-    1e-6 of max |out| in fp32, where XLA:CPU may contract a rotation's product and sum into one
-    fused multiply-add inside its fusions and the kernel's interpreted ops do not."""
+    """With query_rope the TPU kernel takes q unrotated and rotates it in VMEM (the output stays at
+    the queries' rotation): against the reference (which rotates q in XLA) to the tolerances
+    above, and against the kernel itself called on q rotated in XLA: equal in bf16 (the same
+    products of the same rounded q), and to 1e-6 of max |out| in fp32, where XLA:CPU may
+    contract a rotation's product and sum into one fused multiply-add inside its fusions and the
+    kernel's interpreted ops do not."""
     if prefetch_words:
         monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", prefetch_words)
     seed = d + k + t
@@ -150,8 +150,7 @@ def test_sparse_attention_rotates_queries(b, t, h, d, rope, n, k, dtype, records
     _check(out, ref)
     unrotated = np.asarray(sparse_attention_ref(q, kv, idx, sink, **kw).astype(jnp.float32))
     assert np.abs(np.asarray(ref.astype(jnp.float32)) - unrotated).max() > 0.1 * np.abs(unrotated).max()
-    around = rotate_heads(sparse_attention(rotate_heads(q, query_rope), kv, idx, sink, impl="pallas", **kw),
-                          query_rope, inverse=True)
+    around = sparse_attention(rotate_heads(q, query_rope), kv, idx, sink, impl="pallas", **kw)
     out, around = (np.asarray(x.astype(jnp.float32)) for x in (out, around))
     if dtype == jnp.bfloat16:
         np.testing.assert_array_equal(out, around)

@@ -58,42 +58,48 @@ def key_value(p: dict, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, cfg: 
     return apply_rope(kv, cos, sin)
 
 
-def output(p: dict, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """o `[B, T, H, Dh]` as `attend` leaves it (rotated back at the queries' positions) ->
-    `[B, T, D]`: the grouped low-rank projection (wo_a per group of H/G heads, then wo_b)."""
+def output(p: dict, o: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: ModelConfig) -> jnp.ndarray:
+    """o `[B, T, H, Dh]` as `attend` leaves it (at the queries' rotation) -> `[B, T, D]`: each
+    head rotated back at its query's position (rope = (cos, sin) `[B, T, rope/2]`), then the
+    grouped low-rank projection (wo_a per group of H/G heads, then wo_b)."""
     B, T = o.shape[:2]
     G = cfg.o_groups
-    o = o.reshape(B, T, G, -1)
 
     def grouped(wo_a, o):
         wo_a = weight_array(own_weight(wo_a)).reshape(G, cfg.o_lora_rank, -1)
+        o = rotate_heads(o, rope, inverse=True).reshape(B, T, G, -1)
         z = jnp.einsum("btgd,grd->btgr", o.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
         return z.astype(wo_a.dtype).reshape(B, T, -1)
 
     wo_a = p["wo_a"]
-    # a layer of the stack: read in place by the kernel on TPU and GPU
-    device = partial(_grouped_output, cfg=cfg) if isinstance(wo_a, LayerSlice) else grouped
+    # a layer of the stack: read in place by the kernels on TPU and GPU, which rotate o back as they load it
+    device = partial(_grouped_output, rope=rope, cfg=cfg) if isinstance(wo_a, LayerSlice) else grouped
     z = xla_cpu.choose(wo_a, o, cpu=partial(with_weight, grouped), device=device)
     return dense(z, p["wo_b"], cfg)
 
 
-def _grouped_output(wo_a, o: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """`output`'s grouped projection by `pallas_kernels.block_diagonal_matmul`: each of the G
-    groups' columns times its block of wo_a (a LayerSlice `[G*O, H*Dh/G]`), read in place in
-    the layer stack (XLA turns a product of a few rows by a layer's slice into a float32 copy
-    of the slice); per device on a mesh, as the heads are split. o `[B, T, G, H*Dh/G]` ->
-    `[B, T, G*O]` in wo_a's dtype."""
+def _grouped_output(wo_a, o: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], cfg: ModelConfig) -> jnp.ndarray:
+    """`output`'s rotation back and grouped projection by `pallas_kernels.block_diagonal_matmul`
+    (its x_rope): each of the G groups' columns times its block of wo_a (a LayerSlice `[G*O,
+    H*Dh/G]`), read in place in the layer stack (XLA turns a product of a few rows by a layer's
+    slice into a float32 copy of the slice), o's heads rotated back in the kernel (in XLA the
+    rotation writes o again, whole); per device on a mesh, as the heads are split. o `[B, T, H,
+    Dh]` -> `[B, T, G*O]` in wo_a's dtype."""
     batch = rows_axis(cfg, o.shape[0])
 
-    def local(o, stack, layer):
-        b, t, g, d = o.shape
-        z = pallas_kernels.block_diagonal_matmul(o.reshape(b * t, g * d).astype(stack.dtype),
-                                                 stack.reshape(stack.shape[0], g, -1, d), layer=layer,
-                                                 impl=cfg.attention_impl)
+    def local(o, cos, sin, stack, layer):
+        b, t, h, d = o.shape
+        g = cfg.o_groups * h // cfg.num_heads  # this device's groups
+        z = pallas_kernels.block_diagonal_matmul(o.reshape(b * t, h * d).astype(stack.dtype),
+                                                 stack.reshape(stack.shape[0], g, -1, h * d // g), layer=layer,
+                                                 x_rope=(cos.reshape(b * t, -1), sin.reshape(b * t, -1)),
+                                                 head_dim=d, impl=cfg.attention_impl)
         return z.reshape(b, t, -1)
 
-    run = per_device(cfg, local, ((batch, None, HEADS, None), (None, HEADS, None), None), (batch, None, HEADS))
-    return run(o, wo_a.stack, wo_a.index)
+    rows = (batch, None, None)
+    run = per_device(cfg, local, ((batch, None, HEADS, None), rows, rows, (None, HEADS, None), None),
+                     (batch, None, HEADS))
+    return run(o, *rope, wo_a.stack, wo_a.index)
 
 
 def row_positions(p0, batch: int) -> jnp.ndarray:
@@ -415,10 +421,11 @@ def attend(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], ring: jnp.ndar
     the rows comp_idx `[B, T, Kc]` (-1: none) of comp_rows `[B, Nc, Dh]`; one softmax with the
     per-head sink. q comes as `query` leaves it, before its per-head norm and unrotated: each
     head is normalized and then rotated by rope = (cos, sin) `[B, T, rope/2]` at the queries'
-    positions before the products (`rotated_queries`), and the output is rotated back. On TPU
-    the attention kernel does all three in VMEM (in XLA, the norm and rotating a head's last 64
-    dims of 512 re-lay the whole queries and output out); elsewhere XLA does them around the
-    kernel or the reference (`pallas_kernels.sparse_attention`).
+    positions before the products (`rotated_queries`). On TPU the attention kernel does both in
+    VMEM (in XLA, the norm and rotating a head's last 64 dims of 512 re-lay the whole queries
+    out); on GPU one Pallas pass before the kernel; elsewhere XLA before the reference
+    (`pallas_kernels.sparse_attention`). The output stays at the queries' rotation: `output`
+    rotates it back, inside its projection kernel on TPU and GPU.
 
     ring, kv and comp_rows may be FP8 records instead (uint32 words, `pallas_kernels.kv_record`; all
     three or none, as the cache holds them, cache.py): the kernels decode the rows they gather.
@@ -451,9 +458,8 @@ def attend(q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], ring: jnp.ndar
         def values(rows):
             return None if rows is None else kv_record.read(rows, cfg.head_dim, cfg.rope_head_dim, q.dtype)
 
-        o = _window_blocked(rotated_queries(q, rope, cfg), values(ring), values(kv), values(comp_rows), comp_idx,
-                            sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
-        return rotate_heads(o, rope, inverse=True)
+        return _window_blocked(rotated_queries(q, rope, cfg), values(ring), values(kv), values(comp_rows), comp_idx,
+                               sink, p0, cfg.head_dim ** -0.5, cfg.sliding_window)
 
     if T == 1:
         return indexed()

@@ -375,7 +375,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
         n_layers = next(iter(caches[group].values())).shape[0]
         target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
         new[group] = _store(group, caches[group], payload, target, ctx.chunk)
-    h = hc_post(attention.output(a, o, cfg), h, post, comb, cfg)
+    h = hc_post(attention.output(a, o, lay.rope, cfg), h, post, comb, cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)

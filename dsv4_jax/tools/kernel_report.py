@@ -53,8 +53,9 @@ from pallas_kernels import compress, kv_record, sparse_attention  # noqa: E402
 from pallas_kernels._dispatch import DECLARED_COST  # noqa: E402
 from pallas_kernels.fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa: E402
 from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
-from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu, grouped_swiglu_gpu  # noqa: E402
-from pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu  # noqa: E402
+from pallas_kernels.grouped_matmul_gpu import (block_diagonal_matmul_gpu, grouped_matmul_gpu,  # noqa: E402
+                                               grouped_swiglu_gpu)
+from pallas_kernels.grouped_matmul_tpu import block_diagonal_matmul_tpu, grouped_matmul_tpu  # noqa: E402
 from pallas_kernels.hyper_connection_gpu import MIXES_BK, hc_expand_gpu, hc_mixes_gpu, hc_sum_gpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
 from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
@@ -154,6 +155,21 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int, fused: bool = False) 
             "args": args, "shapes": shapes, "minimum_bytes": minimum}
 
 
+def _output_case(tokens: int) -> dict:
+    """Flash's grouped output projection: the attention's output `[tokens, 64 x 512]` bf16 at its
+    queries' rotation (rope 64: cos, sin `[tokens, 32]` fp32), rotated back as loaded, times
+    wo_a's 8 bf16 blocks `[8, 1024, 4096]` (`block_diagonal_matmul` with x_rope)."""
+    g, n, k = 8, 1024, H * D // 8
+    args = (S((tokens, g * k), BF16), S((g, n, k), BF16), S((tokens, ROPE // 2), F32), S((tokens, ROPE // 2), F32))
+
+    def per(kernel):
+        return lambda x, w, c, s: kernel(x, w, x_rope=(c, s), head_dim=D)
+
+    return {"fn": {"tpu": per(block_diagonal_matmul_tpu), "cuda": per(block_diagonal_matmul_gpu)}, "args": args,
+            "shapes": {"M": tokens, "G": g, "N": n, "K": k, "head_dim": D, "rope": ROPE, "x": "bfloat16"},
+            "minimum_bytes": 2 * (g * n * k + tokens * g * (k + n)) + 2 * tokens * (ROPE // 2) * 4}
+
+
 def _query_case(tokens: int) -> dict:
     """The queries of `tokens` tokens `[1, tokens, 64, 512]` bf16 before their per-head norm and
     rotation (rope 64: cos, sin `[1, tokens, 32]` fp32), made ready for the GPU attention kernels
@@ -235,6 +251,8 @@ CASES = {
     "hc_sum/prefill": lambda: _hc_case("sum", PREFILL, 1),
     "hc_expand/decode8": lambda: _hc_case("expand", 1, 8),
     "hc_expand/prefill": lambda: _hc_case("expand", PREFILL, 1),
+    "block_diagonal_matmul/output-decode8": lambda: _output_case(8),
+    "block_diagonal_matmul/output-prefill": lambda: _output_case(PREFILL),
     "query_norm_rope/decode8": lambda: _query_case(8),
     "query_norm_rope/prefill": lambda: _query_case(PREFILL),
 }
