@@ -77,7 +77,8 @@ Two more forms of the same program (`_program`, `_products`):
   registers of one), and at TM 128 pieces of 32 values (`swiglu_tiles`).
 * `block_diagonal_matmul_gpu`: x `[M, E*K]` and E blocks of M rows each, block g's rows read
   in place at x's columns g K.. and written at the output's columns g N.. (the attention's
-  grouped output projection, whose groups are column blocks of its input).
+  grouped output projection, whose groups are column blocks of its input); with x_rope, x's
+  heads rotated back as they are loaded (`_rope_piece`, `rope_fused`).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ from jax.experimental.pallas import triton as pltr
 
 from ._dispatch import declared_cost_scope, layer_operand
 from .grouped_matmul_ref import swiglu
-from .numerics import apply_rope
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
+from .numerics import apply_rope
 from .quantized_matmul_gpu import L2_BYTES
 
 NAME = "dsv4_grouped_matmul_gpu"

@@ -361,16 +361,15 @@ def block_diagonal_supported(k: int, n: int, fmt: str | None, head_dim: int | No
         head_dim % LANES == 0 and k % head_dim == 0))
 
 
-def rope_lanes(x_rope, head_dim: int, inverse: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Each row's rope as the lanes of a head's last W = 2 r/2 rounded up to 128 columns, fp32
-    `[M, W]` each: cos, and sin signed for the pair member (-sin on the even dim and +sin on the
-    odd one, the other way round for the inverse); 1 and 0 on the NoPE lanes (`rotated_lanes`).
-    x_rope = (cos, sin) `[M, r/2]`."""
+def rope_lanes(x_rope, head_dim: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The lanes that rotate each row's heads back (`rotated_lanes`): its rope x_rope = (cos,
+    sin) `[M, r/2]` as the lanes of a head's last W = r rounded up to 128 columns, fp32 `[M, W]`
+    each: cos, and sin signed for the inverse's pair member (+sin on the even dim, -sin on the
+    odd one); 1 and 0 on the NoPE lanes."""
     cos, sin = (a.astype(jnp.float32) for a in x_rope)
     m, half = cos.shape
     w = min(head_dim, _round(2 * half, LANES))
-    sign = -1.0 if inverse else 1.0
-    signed = jnp.stack([-sign * sin, sign * sin], axis=-1).reshape(m, 2 * half)
+    signed = jnp.stack([sin, -sin], axis=-1).reshape(m, 2 * half)
     return (jnp.concatenate([jnp.ones((m, w - 2 * half), jnp.float32), jnp.repeat(cos, 2, axis=-1)], axis=1),
             jnp.concatenate([jnp.zeros((m, w - 2 * half), jnp.float32), signed], axis=1))
 
@@ -400,7 +399,7 @@ def block_diagonal_matmul_tpu(x, values, *, fmt: str | None = None, scale=None, 
     m_tiles = pl.cdiv(m, tm)
     # Not padded to whole row tiles: a group's last tile reads past x's rows (rows of their own,
     # whatever they hold) and its writes past the output's are dropped.
-    lanes = None if x_rope is None else rope_lanes(x_rope, head_dim, inverse=True)
+    lanes = None if x_rope is None else rope_lanes(x_rope, head_dim)
     return _call(x, values, jnp.full((e,), m_tiles * tm, jnp.int32), m_tiles * e, tm, tn, fmt=fmt, scale=scale,
                  layer=layer, k=k, n=n, chosen=e, interpret=interpret, diagonal=_Diagonal(m, m_tiles, lanes, head_dim))
 
@@ -417,9 +416,9 @@ class _Diagonal(NamedTuple):
 
 def _call(x, values, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | None, scale, layer, k: int,
           n: int, chosen: int, interpret: bool, diagonal: _Diagonal | None = None):
-    """The pallas_call over x padded to whole tiles: `[m_tiles TM, N]` (block-diagonal: `[rows,
-    E N]`), `grouped_matmul_tpu`'s product; chosen: the most experts its rows may choose (the
-    declared cost's)."""
+    """The pallas_call of `grouped_matmul_tpu`'s product over x padded to whole tiles: `[m_tiles
+    TM, N]`; or with `diagonal`, of `block_diagonal_matmul_tpu`'s over x as it is: `[rows, E N]`.
+    chosen: the most experts its rows may choose (the declared cost's)."""
     layered = layer is not None
     e = values.shape[-3]
     kx = x_columns(k, fmt)

@@ -337,11 +337,11 @@ def test_block_diagonal_matmul_tpu(case):
 
 
 def test_block_diagonal_matmul_rope_lanes():
-    """Each row's rope as the lanes of a head's last 128 columns: cos on both members of a pair,
-    sin signed for the member (the inverse's: +sin on the even dim, -sin on the odd one), and 1
-    and 0 on the NoPE lanes before them."""
+    """Each row's rope as the lanes that rotate a head's last 128 columns back: cos on both
+    members of a pair, sin signed for the inverse's member (+sin on the even dim, -sin on the odd
+    one), and 1 and 0 on the NoPE lanes before them."""
     cos, sin = _rope(2, 32, seed=0)
-    lanes_cos, lanes_sin = gmt.rope_lanes((cos, sin), 512, inverse=True)
+    lanes_cos, lanes_sin = gmt.rope_lanes((cos, sin), 512)
     assert lanes_cos.shape == lanes_sin.shape == (2, 128)
     np.testing.assert_array_equal(lanes_cos[:, :64], 1.0)
     np.testing.assert_array_equal(lanes_sin[:, :64], 0.0)
