@@ -14,7 +14,7 @@ from ._dispatch import dispatch
 from .grouped_matmul_gpu import block_diagonal_matmul_gpu, grouped_matmul_gpu, grouped_swiglu_gpu
 from .grouped_matmul_ref import grouped_matmul_ref, grouped_swiglu_ref
 from .grouped_matmul_tpu import block_diagonal_matmul_tpu, block_diagonal_supported, grouped_matmul_tpu
-from .numerics import apply_rope
+from .numerics import rotate_row_heads
 
 
 def _stored(w):
@@ -118,33 +118,22 @@ def block_diagonal_matmul(x, w, *, layer=None, x_rope=None, head_dim: int | None
                          f"in heads of head_dim {head_dim} (needs cos, sin [M, r/2], r <= head_dim, heads whole "
                          "in a block)")
     values, scale, fmt = _stored(w)
-    rope = () if x_rope is None else tuple(x_rope)
 
-    def split(args):  # (x_rope or None, layer or None) of the operands after x
-        *cs, l = args if layer is not None else (*args, None)
-        return (tuple(cs) or None), l
-
-    def as_groups(x, *args):
-        cs, l = split(args)
-        if cs:
-            x = apply_rope(x.reshape(m, -1, head_dim), cs[0][:, None], cs[1][:, None], inverse=True).reshape(m, -1)
+    def as_groups(x, cs, l):  # cs: x_rope or None; l: layer or None
+        if cs is not None:
+            x = rotate_row_heads(x, cs, head_dim, inverse=True)
         rows = jnp.swapaxes(x.reshape(m, e, -1), 0, 1).reshape(e * m, -1)
         z = grouped_matmul(rows, w, jnp.full((e,), m, jnp.int32), layer=l, impl=impl)
         return jnp.swapaxes(z.reshape(e, m, -1), 0, 1).reshape(m, -1)
 
     def tpu_kernel(interpret):
-        if not block_diagonal_supported(w.shape[-1], w.shape[-2], fmt, head_dim if rope else None):
+        if not block_diagonal_supported(w.shape[-1], w.shape[-2], fmt, None if x_rope is None else head_dim):
             return as_groups
+        return lambda x, cs, l: block_diagonal_matmul_tpu(x, values, fmt=fmt, scale=scale, layer=l, x_rope=cs,
+                                                          head_dim=head_dim, interpret=interpret)
 
-        def run(x, *args):
-            cs, l = split(args)
-            return block_diagonal_matmul_tpu(x, values, fmt=fmt, scale=scale, layer=l, x_rope=cs, head_dim=head_dim,
-                                             interpret=interpret)
-        return run
-
-    def gpu(x, *args):
-        cs, l = split(args)
+    def gpu(x, cs, l):
         return block_diagonal_matmul_gpu(x, values, fmt=fmt, scale=scale, layer=l, x_rope=cs, head_dim=head_dim)
 
     run = dispatch(impl, ref=as_groups, tpu=tpu_kernel(False), gpu=gpu, interpret=tpu_kernel(True))
-    return run(x, *rope, *(() if layer is None else (layer,)))
+    return run(x, None if x_rope is None else tuple(x_rope), layer)

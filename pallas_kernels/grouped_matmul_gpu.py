@@ -94,7 +94,7 @@ from jax.experimental.pallas import triton as pltr
 from ._dispatch import declared_cost_scope, layer_operand
 from .grouped_matmul_ref import swiglu
 from .grouped_matmul_tpu import _e2m1, _e8m0, operand_shapes  # the bit-exact decodes (plain jnp), the shape checks
-from .numerics import apply_rope
+from .numerics import rotate_row_heads
 from .quantized_matmul_gpu import L2_BYTES
 
 NAME = "dsv4_grouped_matmul_gpu"
@@ -447,13 +447,11 @@ def block_diagonal_matmul_gpu(x, values, *, fmt: str | None = None, scale=None, 
                              f"with {2 * half} RoPE dims")
         bk = rope_fused(head_dim, half, fmt)
         if bk is None:
-            m = x.shape[0]
-            x = apply_rope(x.reshape(m, -1, head_dim), x_rope[0][:, None], x_rope[1][:, None],
-                           inverse=True).reshape(m, -1)
+            x = rotate_row_heads(x, x_rope, head_dim, inverse=True)
         else:
             extra = [a.astype(jnp.float32) for a in x_rope]
             params = dict(head_dim=head_dim, extra_bytes=sum(a.size * 4 for a in extra))
-            tile_choice = lambda m, e, fmt: rope_tiles(m, e, fmt, bk)  # noqa: E731
+            tile_choice = functools.partial(rope_tiles, bk=bk)
     return _call(dsv4_grouped_matmul_gpu, NAME, x, [(values, scale)], jnp.full((e,), x.shape[0], jnp.int32), extra,
                  fmt=fmt, layer=layer, tile_choice=tile_choice, interpret=interpret, rows_per_group=x.shape[0],
                  **params)

@@ -45,6 +45,15 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, inverse: bool
     return jnp.concatenate([x[..., :start], rotated], axis=-1)
 
 
+def rotate_row_heads(x: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], head_dim: int,
+                     inverse: bool = False) -> jnp.ndarray:
+    """`apply_rope` on every head of rows x `[M, H * head_dim]` (a row's heads side by side) at
+    its row's angle: rope = (cos, sin), each `[M, rope/2]`."""
+    cos, sin = rope
+    m = x.shape[0]
+    return apply_rope(x.reshape(m, -1, head_dim), cos[:, None], sin[:, None], inverse=inverse).reshape(m, -1)
+
+
 def rotate_heads(x: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray], inverse: bool = False) -> jnp.ndarray:
     """`apply_rope` on every head of x `[B, T, H, D]` at its token's position: rope = (cos, sin),
     each `[B, T, rope/2]`."""

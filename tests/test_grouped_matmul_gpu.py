@@ -40,7 +40,7 @@ from dsv4_jax.model.quantized import QuantizedWeight
 from pallas_kernels import (block_diagonal_matmul, grouped_matmul, grouped_matmul_ref, grouped_swiglu,
                             grouped_swiglu_ref, swiglu)
 from pallas_kernels import grouped_matmul_gpu as gmg
-from test_grouped_matmul import _check, _weight  # the TPU kernel's tests' operands and tolerances
+from test_grouped_matmul import _check, _rope, _weight  # the TPU kernel's tests' operands and tolerances
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 S = jax.ShapeDtypeStruct
@@ -262,8 +262,7 @@ def test_block_diagonal_matmul_gpu_rotates_back(case):
     values, scale, qfmt = (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
     assert (gmg.rope_fused(head_dim, rope // 2, qfmt) is None) == ("-xla-" in case)
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, e * k)), dtype)
-    angle = np.random.default_rng(k).uniform(-np.pi, np.pi, (m, rope // 2))
-    x_rope = (jnp.asarray(np.cos(angle), F32), jnp.asarray(np.sin(angle), F32))
+    x_rope = _rope(m, rope // 2, seed=k)
     layer = jnp.int32(1)
     out = gmg.block_diagonal_matmul_gpu(x, values, fmt=qfmt, scale=scale, layer=layer, x_rope=x_rope,
                                         head_dim=head_dim, interpret=True)
