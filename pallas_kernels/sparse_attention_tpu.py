@@ -2,7 +2,10 @@
 Pallas interpreter on CPU).
 
 One grid step handles one query token (all H heads at once, so the MXU sees an [H, D] x [D, BK]
-product). The token's index row reaches the kernel twice:
+product); the grid is (B, T / tokens, tokens), a block of `tokens` consecutive tokens sharing one
+q block and one o block in HBM's token-row layout `[tokens, H * D]` (`sparse_attention_tpu`),
+staged as `[tokens, H, D]` in VMEM: the block's first step stages every token's q, its last
+writes every token's o. The token's index row reaches the kernel twice:
   * scalar-prefetched into SMEM (PrefetchScalarGridSpec): the DMA engine needs the row numbers as
     scalars to address the kv rows in HBM;
   * as an ordinary VMEM block [1, K]: a lane vector to mask the logits of padding (-1) keys
@@ -61,9 +64,10 @@ from jax.experimental.pallas import tpu as pltpu
 from . import kv_record
 
 BLOCK_K = 128  # keys per block: a full lane width for the [H, BK] logits tile
-# Indices scalar-prefetched into SMEM per pallas_call (int32 words). SMEM is small, so a long
-# prefill is split into several calls along T; decode (T = 1) is always one call.
+# Indices scalar-prefetched into SMEM per pallas_call (int32 words). SMEM is small, so the B * T
+# tokens of a long prefill are split into several calls (each at least one block of tokens).
 MAX_PREFETCH_WORDS = 1 << 15
+TOKEN_BLOCK = 16  # tokens per q / o block as token rows: the rows of a bf16 (16, 128) tile
 PLANES = 4  # bytes of a record word
 
 
@@ -128,14 +132,19 @@ def rotated_lanes(x, cos, sin, records: bool = False):
     return x * cos + partner * sin
 
 
-def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t_len: int, k_pad: int, rows: _Rows,
-            mxu_dtype, rotate: bool, q_norm: tuple[int, float] | None):
+def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, seq_len: int, batch: int, first: int,
+            k_pad: int, rows: _Rows, mxu_dtype, rotate: bool, q_norm: tuple[int, float] | None, tokens: int,
+            aliased: bool):
     lanes_ref, *refs = refs if rotate else (None, *refs)
-    idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc = refs
+    if aliased:  # the output of the call before, taken in place (its tokens are not this call's)
+        refs = refs[:3] + refs[4:]
+    idxv_ref, sink_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc, *token_sc = refs
     records = rows.kind == "records"
-    b = pl.program_id(0)
-    t = pl.program_id(1)
-    base = (b * t_len + t) * k_pad  # this token's first index in the flat SMEM array
+    r = pl.program_id(1)  # the token within its block of `tokens`
+    t = pl.program_id(0) * tokens + r  # within this call's tokens
+    # Its sequence (a padding token past the last one reads nothing: its indices are all -1).
+    b = jnp.minimum(lax.div(first + t, seq_len), batch - 1)
+    base = t * k_pad  # this token's first index in the flat SMEM array
     # With pairs, kv is viewed as 32-bit words [B, N / 2, D]: word row i holds rows 2i and 2i + 1.
     src = kv_hbm.bitcast(jnp.uint32) if rows.kind == "pairs" else kv_hbm
     shift = 1 if rows.kind == "pairs" else 0
@@ -187,13 +196,24 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t
     m_sc[...] = jnp.broadcast_to(sink_ref[...], m_sc.shape)  # running max starts at the sink
     l_sc[...] = jnp.ones_like(l_sc)  # exp(sink - m) with m = sink
     acc_sc[...] = jnp.zeros_like(acc_sc)
-    q = q_ref[...]  # [P, H, C]: P planes of q's columns
+    if token_sc:  # q and o as token rows [tokens, H * C]; a row's heads are staged as [H, C]
+        q_sc, o_sc = token_sc
+        h, width = q_sc.shape[1:]
+
+        @pl.when(r == 0)
+        def _():
+            for i in range(tokens):
+                q_sc[i] = q_ref[i:i + 1, :].astype(jnp.float32).reshape(h, width)
+
+        q = q_sc[r][None].astype(q_ref.dtype)  # [1, H, C]: exact, q_sc holds q's values
+    else:
+        q = q_ref[...]  # [P, H, C]: P planes of q's columns
     if q_norm is not None:  # (d, eps): a head's D values are spread over the planes, zeros elsewhere
         d, eps = q_norm
         qf = q.astype(jnp.float32)
         squares = jnp.sum(jnp.sum(qf * qf, axis=2, keepdims=True), axis=0, keepdims=True)  # [1, H, 1]
-        r = lax.rsqrt(squares / d + eps).astype(q.dtype)
-        q = (qf * r.astype(jnp.float32)).astype(q.dtype)  # q's dtype's product: exact in fp32, rounded once
+        inv_rms = lax.rsqrt(squares / d + eps).astype(q.dtype)
+        q = (qf * inv_rms.astype(jnp.float32)).astype(q.dtype)  # q's dtype's product: exact in fp32, rounded once
     if rotate:
         cos, sin = lanes_ref[0][:, None], lanes_ref[1][:, None]  # [P, 1, C]
         q = rotated_lanes(q.astype(jnp.float32), cos, sin, records).astype(q_ref.dtype)
@@ -229,7 +249,15 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, t
             acc_sc[i] = alpha * acc_sc[i] + pv
         m_sc[...] = m_new
 
-    o_ref[...] = (acc_sc[...] / l_sc[...][None]).astype(o_ref.dtype)
+    o = acc_sc[...] / l_sc[...][None]  # [P, H, C]
+    if not token_sc:
+        o_ref[...] = o.astype(o_ref.dtype)
+        return
+    o_sc[r] = o[0]
+
+    @pl.when(r == tokens - 1)
+    def _():
+        o_ref[...] = jnp.concatenate([o_sc[i].reshape(1, -1) for i in range(tokens)], axis=0).astype(o_ref.dtype)
 
 
 def _rope_lanes(query_rope, d: int, record_words: tuple[int, int] | None):
@@ -276,97 +304,118 @@ def records_supported(d: int, rope_dim: int) -> bool:
     return (d - rope_dim) % PLANES == 0 and rope_dim % 2 == 0
 
 
-def _call(q, kv, indices, sink, query_rope, *, scale: float, interpret: bool, block_k: int, rope_dim: int | None,
-          q_norm_eps: float | None):
+def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float, rope_dim: int | None = None,
+                         q_norm_eps: float | None = None, interpret: bool = False, block_k: int = BLOCK_K):
+    """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
+    interpreter, any platform). Records of a layout the kernel does not decode (`records_supported`)
+    are decoded first.
+
+    The kernel runs over the B * T tokens of all rows, in order. Rows of values take q and give o
+    as token rows `[B * T, H * D]` in blocks of TOKEN_BLOCK tokens, laid out as the query
+    projection writes them and the output projection reads them (as `[B, T, H, D]` blocks, the
+    TPU re-lays the whole queries and output out around the call). Records take q and give o per
+    token, as planes (`_record_columns`). Many tokens are split into calls of at most
+    MAX_PREFETCH_WORDS indices (at least one block), each reading its tokens of q in place and
+    writing its tokens into the one output, which the next call takes over (aliased)."""
+    if rope_dim is not None and not records_supported(q.shape[-1], rope_dim):
+        kv, rope_dim = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32), None
     bsz, t_len, h, d = q.shape
+    n = bsz * t_len
+    tokens = 1 if rope_dim is not None else min(n, TOKEN_BLOCK)
+    padded = pl.cdiv(n, tokens) * tokens
     k = indices.shape[-1]
     k_pad = pl.cdiv(k, block_k) * block_k
     n_blocks = k_pad // block_k
-    indices = indices.astype(jnp.int32)
-    if k_pad != k:
-        indices = jnp.pad(indices, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=-1)
+    # whole blocks of tokens (the padding tokens choose no key) and of keys
+    indices = jnp.pad(indices.astype(jnp.int32).reshape(n, k), ((0, padded - n), (0, k_pad - k)), constant_values=-1)
+    q = jnp.pad(q.reshape(n, h, d), ((0, padded - n), (0, 0), (0, 0)))
+    if query_rope is not None:
+        query_rope = tuple(jnp.pad(x.reshape(1, n, -1), ((0, 0), (0, padded - n), (0, 0))) for x in query_rope)
     if rope_dim is not None:
         nope, scales, _ = kv_record.layout(d, rope_dim)
         rows = _Rows("records", nope // PLANES, rope_dim // 2, (nope + 2 * rope_dim) // PLANES, scales)
         cols = _record_columns(d, rope_dim)
-        qp = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)[..., cols]  # [B, T, H, P, W]
-        qp = jnp.swapaxes(qp, 2, 3)
+        qp = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)[..., cols]  # [N, H, P, W]
+        qp = jnp.swapaxes(qp, 1, 2)
+        planes, width = qp.shape[1], qp.shape[-1]
         mxu_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+        token_scratch = []
     else:
         rows = _Rows("pairs" if kv.dtype == jnp.bfloat16 else "rows")
         if rows.kind == "pairs" and kv.shape[1] % 2:  # whole word rows: an even number of rows
             kv = jnp.pad(kv, ((0, 0), (0, 1), (0, 0)))
         elif rows.kind == "rows" and kv.dtype.itemsize != 4:
             kv = kv.astype(jnp.float32)
-        qp = q[:, :, None]  # [B, T, 1, H, D]
+        qp = q.reshape(padded, h * d)
+        planes, width = 1, d
         mxu_dtype = jnp.bfloat16 if (q.dtype == jnp.bfloat16 and kv.dtype == jnp.bfloat16) else jnp.float32
-    planes, width = qp.shape[2], qp.shape[-1]
+        token_scratch = [pltpu.VMEM((tokens, h, d), jnp.float32), pltpu.VMEM((tokens, h, d), jnp.float32)]
+
+    def token_spec(start):
+        """q's and o's blocks in the call from token `start`."""
+        if rope_dim is None:
+            return pl.BlockSpec((tokens, h * d), lambda t, r, idx: (start // tokens + t, 0))
+        return pl.BlockSpec((None, planes, h, width), lambda t, r, idx: (start + t, 0, 0, 0))
+
     rotate = query_rope is not None
-    kernel = functools.partial(_kernel, scale=float(scale), n_blocks=n_blocks, block_k=block_k,
-                               t_len=t_len, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate,
-                               q_norm=None if q_norm_eps is None else (d, float(q_norm_eps)))
     if rotate and rope_dim is not None and rope_dim != 2 * query_rope[0].shape[-1]:
         raise ValueError(f"query_rope rotates {2 * query_rope[0].shape[-1]} dims but the records hold {rope_dim} "
                          "RoPE dims")
     lanes = [_rope_lanes(query_rope, d, None if rope_dim is None else (rows.nope_words, width))] if rotate else []
-    lane_specs = [pl.BlockSpec((None, None, 2, planes, width), lambda b, t, idx: (b, t, 0, 0, 0))] if rotate else []
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(bsz, t_len),
-        in_specs=[
-            pl.BlockSpec((None, None, planes, h, width), lambda b, t, idx: (b, t, 0, 0, 0)),  # q
-            *lane_specs,  # its rope lanes
-            pl.BlockSpec((None, 1, k_pad), lambda b, t, idx: (b * t_len + t, 0, 0)),  # index row (VMEM)
-            pl.BlockSpec((h, 1), lambda b, t, idx: (0, 0)),  # sink
-            pl.BlockSpec(memory_space=pl.ANY),  # kv stays in HBM; rows gathered by DMA
-        ],
-        out_specs=pl.BlockSpec((None, None, planes, h, width), lambda b, t, idx: (b, t, 0, 0, 0)),
-        scratch_shapes=[
-            pltpu.VMEM((2, block_k, kv.shape[-1]), jnp.uint32 if rows.kind == "pairs" else kv.dtype),
-            pltpu.SemaphoreType.DMA((2,)),
-            pltpu.VMEM((h, 1), jnp.float32),
-            pltpu.VMEM((h, 1), jnp.float32),
-            pltpu.VMEM((planes, h, width), jnp.float32),
-        ],
-    )
-    # Bytes read per selected row: its record's words, a bf16 row's word pair, an fp32 row.
-    rows_read = bsz * t_len * k * kv.shape[-1] * 4
-    cost = pl.CostEstimate(flops=4 * bsz * t_len * h * k_pad * planes * width, transcendentals=bsz * t_len * h * k_pad,
-                           bytes_accessed=rows_read + 2 * q.size * q.dtype.itemsize + indices.size * 8 + h * 4
-                           + sum(x.size * 4 for x in lanes))
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="dsv4_sparse_attention",
-    )(indices.reshape(-1), qp, *lanes, indices.reshape(bsz * t_len, 1, k_pad), sink.astype(jnp.float32).reshape(h, 1),
-      kv)
-    if rope_dim is None:
-        return out[:, :, 0]
-    # Back to q's column order: column c of q was column cols[j, i] = c of plane j.
-    at = np.full(d, -1, np.int64)
-    j, i = np.nonzero(cols < d)
-    at[cols[j, i]] = j * width + i
-    return jnp.swapaxes(out, 2, 3).reshape(bsz, t_len, h, planes * width)[..., at]
-
-
-def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float, rope_dim: int | None = None,
-                         q_norm_eps: float | None = None, interpret: bool = False, block_k: int = BLOCK_K):
-    """Same contract as `sparse_attention_ref`; the Mosaic TPU kernel (interpret=True: the Pallas
-    interpreter, any platform). Records of a layout the kernel does not decode (`records_supported`)
-    are decoded first."""
-    if rope_dim is not None and not records_supported(q.shape[-1], rope_dim):
-        kv, rope_dim = kv_record.decode(kv_record.from_words(kv), q.shape[-1], rope_dim, jnp.float32), None
-    bsz, t_len, _, _ = q.shape
-    k_pad = pl.cdiv(indices.shape[-1], block_k) * block_k
-    chunk = max(1, MAX_PREFETCH_WORDS // (bsz * k_pad))
-    run = functools.partial(_call, scale=scale, interpret=interpret, block_k=block_k, rope_dim=rope_dim,
-                            q_norm_eps=q_norm_eps)
-    if t_len <= chunk:
-        return run(q, kv, indices, sink, query_rope)
-    pieces = [(q[:, s:s + chunk], indices[:, s:s + chunk], None if query_rope is None else
-               tuple(x[:, s:s + chunk] for x in query_rope)) for s in range(0, t_len, chunk)]
-    return jnp.concatenate([run(q_s, kv, idx_s, sink, rope_s) for q_s, idx_s, rope_s in pieces], axis=1)
+    index_rows = indices.reshape(padded, 1, k_pad)
+    sink = sink.astype(jnp.float32).reshape(h, 1)
+    chunk = max(1, MAX_PREFETCH_WORDS // k_pad // tokens) * tokens  # tokens per call
+    out = None
+    for start in range(0, padded, chunk):
+        length = min(chunk, padded - start)
+        kernel = functools.partial(_kernel, scale=float(scale), n_blocks=n_blocks, block_k=block_k, seq_len=t_len,
+                                   batch=bsz, first=start, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate,
+                                   q_norm=None if q_norm_eps is None else (d, float(q_norm_eps)), tokens=tokens,
+                                   aliased=out is not None)
+        lane_specs = [pl.BlockSpec((None, None, 2, planes, width),
+                                   lambda t, r, idx, start=start: (0, start + t * tokens + r, 0, 0, 0))
+                      ] if rotate else []
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,  # this call's indices, into SMEM
+            grid=(length // tokens, tokens),
+            in_specs=[
+                token_spec(start),  # q
+                *lane_specs,  # its rope lanes
+                pl.BlockSpec((None, 1, k_pad),  # its index row, in VMEM
+                             lambda t, r, idx, start=start: (start + t * tokens + r, 0, 0)),
+                pl.BlockSpec((h, 1), lambda t, r, idx: (0, 0)),  # sink
+                pl.BlockSpec(memory_space=pl.ANY),  # kv stays in HBM; rows gathered by DMA
+                *([pl.BlockSpec(memory_space=pl.ANY)] if out is not None else []),  # the output so far
+            ],
+            out_specs=token_spec(start),
+            scratch_shapes=[
+                pltpu.VMEM((2, block_k, kv.shape[-1]), jnp.uint32 if rows.kind == "pairs" else kv.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((planes, h, width), jnp.float32),
+                *token_scratch,
+            ],
+        )
+        # Bytes read per selected row: its record's words, a bf16 row's word pair, an fp32 row.
+        cost = pl.CostEstimate(flops=4 * length * h * k_pad * planes * width, transcendentals=length * h * k_pad,
+                               bytes_accessed=length * (k * kv.shape[-1] * 4 + 2 * h * d * q.dtype.itemsize + k_pad * 8)
+                               + h * 4 + sum(x.size * 4 * length // padded for x in lanes))
+        operands = [indices[start:start + length].reshape(-1), qp, *lanes, index_rows, sink, kv]
+        out = pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+            input_output_aliases={} if out is None else {len(operands): 0},
+            # The tokens of a block share its q and o blocks, so they run in order.
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            cost_estimate=cost,
+            interpret=interpret,
+            name="dsv4_sparse_attention",
+        )(*operands, *([] if out is None else [out]))
+    if rope_dim is not None:  # back to q's column order: column c of q was column cols[j, i] = c of plane j
+        at = np.full(d, -1, np.int64)
+        j, i = np.nonzero(cols < d)
+        at[cols[j, i]] = j * width + i
+        out = jnp.swapaxes(out, 1, 2).reshape(padded, h, planes * width)[..., at]
+    return out[:n].reshape(bsz, t_len, h, d)

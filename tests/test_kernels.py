@@ -105,11 +105,19 @@ def test_sparse_attention_unselected_rows_do_not_leak():
     _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.1))
 
 
-def test_sparse_attention_chunked_prefill(monkeypatch):
-    # A prefill long enough to exceed the SMEM prefetch budget is split into calls along T.
-    monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", 2 * 128)
-    q, kv, idx, sink = _attention_inputs(1, 5, 8, 128, 30, 100, jnp.float32, seed=3)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_attention_chunked_prefill(dtype, monkeypatch):
+    # A prefill long enough to exceed the SMEM prefetch budget is split into calls along T, each
+    # of whole blocks of TOKEN_BLOCK tokens (40 tokens: padded to 48, calls of 32 and 16), each
+    # writing its tokens into the output the call before wrote.
+    monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", 2 * sat.TOKEN_BLOCK * 128)
+    q, kv, idx, sink = _attention_inputs(1, 40, 2, 128, 30, 100, dtype, seed=3)
+    calls, pallas_call = [], sat.pl.pallas_call
+    monkeypatch.setattr(sat.pl, "pallas_call", lambda *a, **kw: calls.append(kw["grid_spec"].grid) or
+                        pallas_call(*a, **kw))
     out = sat.sparse_attention_tpu(q, kv, idx, sink, scale=0.2, interpret=True)
+    assert calls == [(2, sat.TOKEN_BLOCK), (1, sat.TOKEN_BLOCK)]
+    assert out.shape == q.shape and out.dtype == dtype
     _check(out, sparse_attention_ref(q, kv, idx, sink, scale=0.2))
 
 
@@ -125,7 +133,7 @@ def _query_rope(b, t, rope, seed):
     [
         (2, 3, 8, 128, 64, 50, 200, jnp.float32, False, None),  # fp32 rows, 2 key blocks
         (1, 4, 16, 512, 64, 300, 160, jnp.bfloat16, False, None),  # bf16 row pairs, Flash's D and rope
-        (2, 5, 8, 128, 32, 30, 100, jnp.float32, False, 2 * 128),  # split into 3 calls along T
+        (2, 20, 8, 128, 32, 30, 100, jnp.float32, False, 2 * 16 * 128),  # 2 calls, blocks across rows, padding
         (2, 2, 8, 512, 64, 60, 130, jnp.bfloat16, True, None),  # Flash's 584-byte records
         (1, 3, 8, 128, 32, 40, 100, jnp.float32, True, None),  # records, fp32 queries
     ],

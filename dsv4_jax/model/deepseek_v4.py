@@ -116,9 +116,13 @@ class _Chunk(NamedTuple):
 
 
 class _LayerInput(NamedTuple):
-    """One layer's inputs to its attention branch."""
+    """One layer's inputs to its attention branch. The queries cross the layer switch as token
+    rows `[B * T, H * Dh]`, as the branch's output does (`_rows_out`): a switch's operands and
+    results take the default layout, which on TPU tiles `[B, T, H, Dh]` by heads and dims, while
+    the projections on either side (and the TPU attention kernel) write and read tiles of tokens
+    by `H * Dh`: a re-layout of the whole queries and output each way."""
 
-    q: jnp.ndarray  # [B, T, H, Dh], before its per-head norm and unrotated (`attention.query`)
+    query_rows: jnp.ndarray  # [B * T, H * Dh], before the per-head norm and unrotated (`attention.query`)
     kv: jnp.ndarray  # [B, T, Dh]
     x: jnp.ndarray  # [B, T, D] the normed attention input
     c_q: jnp.ndarray  # [B, T, Q] the query latent
@@ -131,6 +135,21 @@ class _LayerInput(NamedTuple):
     @property
     def rope(self) -> tuple[jnp.ndarray, jnp.ndarray]:
         return self.cos, self.sin
+
+    @property
+    def q(self) -> jnp.ndarray:
+        """The queries `[B, T, H, Dh]`."""
+        return self.query_rows.reshape(*self.x.shape[:2], self.sink.shape[0], -1)
+
+
+def _rows_out(branch):
+    """A branch of the layer switch, its output `[B, T, H, Dh]` given as token rows `[B * T, H *
+    Dh]` (`_LayerInput`)."""
+    def run(lay: _LayerInput, caches: dict, last_ids):
+        o, *rest = branch(lay, caches, last_ids)
+        return (o.reshape(lay.query_rows.shape), *rest)
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,11 +381,11 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
     a = layer["attn"]
     q, c_q = attention.query(a, x, cfg)
     kv = attention.key_value(a, x, cos, sin, cfg)
-    lay = _LayerInput(q, kv, x, c_q, cos, sin, local, index_local, a["sink"])
+    lay = _LayerInput(q.reshape(q.shape[0] * q.shape[1], -1), kv, x, c_q, cos, sin, local, index_local, a["sink"])
     # Branches only read the caches and return the rows to store; the writes come after the
     # switch, unconditionally, into every group's stacks: at the layer's own index when its
     # branch writes that group, else at an out-of-range index (dropped).
-    branches = [partial(_BRANCH_FNS[b], ctx) for b in sched.branches]
+    branches = [_rows_out(partial(_BRANCH_FNS[b], ctx)) for b in sched.branches]
     o, last_ids, outs, aux = jax.lax.switch(branch, branches, lay, caches, last_ids)
     writers = _writers(cfg)
     new = {}
@@ -375,7 +394,7 @@ def _layer(ctx: _Step, sched: LayerSchedule, input_ids, carry, xs):
         n_layers = next(iter(caches[group].values())).shape[0]
         target = jnp.where(writes, index_local if group == "indexer" else local, n_layers)
         new[group] = _store(group, caches[group], payload, target, ctx.chunk)
-    h = hc_post(attention.output(a, o, lay.rope, cfg), h, post, comb, cfg)
+    h = hc_post(attention.output(a, o.reshape(q.shape), lay.rope, cfg), h, post, comb, cfg)
 
     u, post, comb = hc_pre(h, **layer["hc_ffn"], **hc_args)
     x = rms_norm(u, layer["ffn_norm"], cfg.rms_norm_eps)
