@@ -107,9 +107,9 @@ def test_sparse_attention_unselected_rows_do_not_leak():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_attention_chunked_prefill(dtype, monkeypatch):
-    # A prefill long enough to exceed the SMEM prefetch budget is split into calls along T, each
-    # of whole blocks of TOKEN_BLOCK tokens (40 tokens: padded to 48, calls of 32 and 16), each
-    # writing its tokens into the output the call before wrote.
+    # A prefill long enough to exceed the SMEM prefetch budget is split into calls, each of whole
+    # blocks of TOKEN_BLOCK tokens (40 tokens: padded to 48, calls of 32 and 16), each writing its
+    # tokens into the output the call before wrote.
     monkeypatch.setattr(sat, "MAX_PREFETCH_WORDS", 2 * sat.TOKEN_BLOCK * 128)
     q, kv, idx, sink = _attention_inputs(1, 40, 2, 128, 30, 100, dtype, seed=3)
     calls, pallas_call = [], sat.pl.pallas_call
@@ -136,6 +136,7 @@ def _query_rope(b, t, rope, seed):
         (2, 20, 8, 128, 32, 30, 100, jnp.float32, False, 2 * 16 * 128),  # 2 calls, blocks across rows, padding
         (2, 2, 8, 512, 64, 60, 130, jnp.bfloat16, True, None),  # Flash's 584-byte records
         (1, 3, 8, 128, 32, 40, 100, jnp.float32, True, None),  # records, fp32 queries
+        (2, 2, 8, 128, 32, 40, 100, jnp.float32, True, 128),  # records, a call per token
     ],
 )
 def test_sparse_attention_rotates_queries(b, t, h, d, rope, n, k, dtype, records, prefetch_words, monkeypatch):
