@@ -202,8 +202,7 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, s
 
         @pl.when(r == 0)
         def _():
-            for i in range(tokens):
-                q_sc[i] = q_ref[i:i + 1, :].astype(jnp.float32).reshape(h, width)
+            q_sc[...] = q_ref[...].astype(jnp.float32).reshape(tokens, h, width)
 
         q = q_sc[r][None].astype(q_ref.dtype)  # [1, H, C]: exact, q_sc holds q's values
     else:
@@ -257,7 +256,7 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, s
 
     @pl.when(r == tokens - 1)
     def _():
-        o_ref[...] = jnp.concatenate([o_sc[i].reshape(1, -1) for i in range(tokens)], axis=0).astype(o_ref.dtype)
+        o_ref[...] = o_sc[...].reshape(tokens, -1).astype(o_ref.dtype)
 
 
 def _rope_lanes(query_rope, d: int, record_words: tuple[int, int] | None):
