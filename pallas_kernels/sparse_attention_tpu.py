@@ -2,10 +2,10 @@
 Pallas interpreter on CPU).
 
 One grid step handles one query token (all H heads at once, so the MXU sees an [H, D] x [D, BK]
-product); the grid is (B, T / tokens, tokens), a block of `tokens` consecutive tokens sharing one
-q block and one o block in HBM's token-row layout `[tokens, H * D]` (`sparse_attention_tpu`),
-staged as `[tokens, H, D]` in VMEM: the block's first step stages every token's q, its last
-writes every token's o. The token's index row reaches the kernel twice:
+product); the grid is (the call's B * T tokens / tokens, tokens), a block of `tokens` consecutive
+tokens of all rows sharing one q block and one o block in HBM's token-row layout `[tokens, H * D]`
+(`sparse_attention_tpu`), staged as `[tokens, H, D]` in VMEM: the block's first step stages every
+token's q, its last writes every token's o. The token's index row reaches the kernel twice:
   * scalar-prefetched into SMEM (PrefetchScalarGridSpec): the DMA engine needs the row numbers as
     scalars to address the kv rows in HBM;
   * as an ordinary VMEM block [1, K]: a lane vector to mask the logits of padding (-1) keys
@@ -371,8 +371,10 @@ def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float,
                                    batch=bsz, first=start, k_pad=k_pad, rows=rows, mxu_dtype=mxu_dtype, rotate=rotate,
                                    q_norm=None if q_norm_eps is None else (d, float(q_norm_eps)), tokens=tokens,
                                    aliased=out is not None)
-        lane_specs = [pl.BlockSpec((None, None, 2, planes, width),
-                                   lambda t, r, idx, start=start: (0, start + t * tokens + r, 0, 0, 0))
+        def row(t, r):  # the grid step's token (the index maps are traced by this iteration's call)
+            return start + t * tokens + r
+
+        lane_specs = [pl.BlockSpec((None, None, 2, planes, width), lambda t, r, idx: (0, row(t, r), 0, 0, 0))
                       ] if rotate else []
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,  # this call's indices, into SMEM
@@ -380,8 +382,7 @@ def sparse_attention_tpu(q, kv, indices, sink, query_rope=None, *, scale: float,
             in_specs=[
                 token_spec(start),  # q
                 *lane_specs,  # its rope lanes
-                pl.BlockSpec((None, 1, k_pad),  # its index row, in VMEM
-                             lambda t, r, idx, start=start: (start + t * tokens + r, 0, 0)),
+                pl.BlockSpec((None, 1, k_pad), lambda t, r, idx: (row(t, r), 0, 0)),  # its index row, in VMEM
                 pl.BlockSpec((h, 1), lambda t, r, idx: (0, 0)),  # sink
                 pl.BlockSpec(memory_space=pl.ANY),  # kv stays in HBM; rows gathered by DMA
                 *([pl.BlockSpec(memory_space=pl.ANY)] if out is not None else []),  # the output so far
