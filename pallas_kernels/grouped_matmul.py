@@ -6,14 +6,13 @@ projection)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 
 from ._dispatch import dispatch
 from .grouped_matmul_gpu import block_diagonal_matmul_gpu, grouped_matmul_gpu, grouped_swiglu_gpu
 from .grouped_matmul_ref import grouped_matmul_ref, grouped_swiglu_ref
-from .grouped_matmul_tpu import block_diagonal_matmul_tpu, block_diagonal_supported, grouped_matmul_tpu
+from .grouped_matmul_tpu import (block_diagonal_matmul_tpu, block_diagonal_supported, grouped_matmul_tpu,
+                                 grouped_swiglu_tpu)
 from .numerics import rotate_row_heads
 
 
@@ -68,9 +67,9 @@ def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl
     in format and shape `[E, N, K]` (or `[L, E, N, K]`); hw fp32 `[M]`, the rows' routing weights
     (past the groups not read: may be unset).
 
-    impl as `grouped_matmul`'s: on CUDA one Pallas-Triton kernel (`grouped_swiglu_gpu`: neither
-    product goes through HBM); on TPU (and in the interpreter) the TPU grouped-matmul kernel
-    twice and XLA's activation; "ref" the plain-JAX reference."""
+    impl as `grouped_matmul`'s: one kernel, in which neither product goes through HBM, on CUDA
+    (Pallas-Triton, `grouped_swiglu_gpu`) and on TPU (Mosaic, `grouped_swiglu_tpu`; in the
+    interpreter elsewhere); "ref" the plain-JAX reference."""
     for w in (w1, w3):
         _check("grouped_swiglu", x, w, group_sizes, layer)
     (v1, s1, fmt), (v3, s3, fmt3) = _stored(w1), _stored(w3)
@@ -78,14 +77,17 @@ def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl
         raise ValueError(f"grouped_swiglu: w1 ({fmt or 'plain'} {list(w1.shape)}) and w3 ({fmt3 or 'plain'} "
                          f"{list(w3.shape)}) must be alike, hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
 
-    def composed(x, g, hw, *l):  # two `grouped_matmul` calls (the same impl) and the activation
-        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None,
-                                  matmul=partial(grouped_matmul, impl=impl))
+    def ref(x, g, hw, *l):
+        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None)
+
+    def kernel(interpret):
+        return lambda x, g, hw, *l: grouped_swiglu_tpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit,
+                                                       layer=l[0] if l else None, interpret=interpret)
 
     def gpu(x, g, hw, *l):
         return grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit, layer=l[0] if l else None)
 
-    run = dispatch(impl, ref=composed, tpu=composed, gpu=gpu, interpret=composed)
+    run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=gpu, interpret=kernel(True))
     return run(x, group_sizes, hw, *(() if layer is None else (layer,)))
 
 

@@ -50,8 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._dispatch import layer_operand
+from .grouped_matmul_ref import swiglu
 from .sparse_attention_tpu import rotated_lanes
 
+NAME = "dsv4_grouped_matmul"  # the kernels' names in the compiled programs
+SWIGLU_NAME = "dsv4_grouped_swiglu"
 LANES = 128  # the lane width, and the FP8 scale block
 FP4_BYTES = 16  # code bytes per FP4 scale (32 elements)
 ROWS = 16  # a tile of bf16 rows
@@ -75,19 +78,24 @@ def x_columns(k: int, fmt: str | None) -> int:
 
 
 def vmem_bytes(tm: int, tn: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int,
-               w_itemsize: int) -> int:
+               w_itemsize: int, weights: int = 1) -> int:
     """VMEM the tiles take: the double-buffered x, weight, scale and output blocks, the
     dequantized weight tile (quantized formats), FP4's int32 scale scratches and the fp32
-    product."""
+    product; of each of `weights` weights (2: `grouped_swiglu_tpu`, with its routing weights'
+    block, a lane wide)."""
     kx = x_columns(k, fmt)
     kv = kx // 2 if fmt == "fp4" else kx
     groups = _round(pl.cdiv(k, 2 * FP4_BYTES), LANES)
     scales = {"fp8": pl.cdiv(n, LANES) * pl.cdiv(k, LANES) * _round(e, LANES) * 4, "fp4": tn * groups}.get(fmt, 0)
-    scratch = (tn * kx * x_itemsize if fmt else 0) + (2 * tn * groups * 4 if fmt == "fp4" else 0)
-    return 2 * (tm * kx * x_itemsize + tn * kv * w_itemsize + scales + tm * tn * x_itemsize) + scratch + tm * tn * 4
+    tile = tn * kx * x_itemsize if fmt else 0
+    fp4_scratch = 2 * tn * groups * 4 if fmt == "fp4" else 0
+    hw = tm * LANES * 4 if weights > 1 else 0
+    return (2 * (tm * kx * x_itemsize + weights * (tn * kv * w_itemsize + scales) + hw + tm * tn * x_itemsize)
+            + weights * (tile + tm * tn * 4) + fp4_scratch)
 
 
-def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_itemsize: int) -> tuple[int, int]:
+def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_itemsize: int,
+          weights: int = 1) -> tuple[int, int]:
     """(TM, TN). TM: the rows a chosen expert gets on average when every row picks another one
     (M / min(E, M)) rounded up to a power of two, at least 16 (bf16 rows come in 16s) and at
     most 512: a step multiplies TM rows whatever its group holds, and the grid has up to one
@@ -96,8 +104,8 @@ def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_it
     of 128 up to 512 that divides N rounded up to 128; or, for more rows than one tile holds (a
     prefill chunk, whose x is read once per column tile, each expert's weight once in all), up
     to half of N: two column tiles (one for each TensorCore of a v5p megacore). Both shrink
-    until `vmem_bytes` fits VMEM_BUDGET: TN first, or for a wide x TM first, down to
-    WIDE_MIN_TM."""
+    until `vmem_bytes` (of `weights` weights) fits VMEM_BUDGET: TN first, or for a wide x TM
+    first, down to WIDE_MIN_TM."""
     per_group = pl.cdiv(m, max(1, min(e, m)))
     tm = ROWS
     while tm < min(per_group, MAX_TM):
@@ -107,7 +115,7 @@ def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_it
     max_tn = max(MAX_TN, _round(pl.cdiv(n, 2), LANES)) if wide else MAX_TN
     candidates = [LANES * d for d in range(max_tn // LANES, 0, -1) if blocks % d == 0]
     tn = candidates[0]
-    while vmem_bytes(tm, tn, n, k, e, fmt, x_itemsize, w_itemsize) > VMEM_BUDGET:
+    while vmem_bytes(tm, tn, n, k, e, fmt, x_itemsize, w_itemsize, weights) > VMEM_BUDGET:
         smaller = [c for c in candidates if c < tn]
         if wide and tm > WIDE_MIN_TM:
             tm //= 2
@@ -277,15 +285,15 @@ def _heads_rotated(x, cos_ref, sin_ref, head_dim: int):
 
 
 def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x_ref, *refs, fmt: str | None,
-            k_total: int, scales_transposed: bool, head_dim: int | None):
+            k_total: int, scales_transposed: bool, head_dim: int | None, weights: int, limit: float | None):
     del x_tile_ref, layer_ref  # used by the index maps only
     lanes, refs = (refs[:2], refs[2:]) if head_dim else (None, refs)
-    if fmt is None:
-        v_ref, o_ref = refs
-    elif fmt == "fp8":
-        v_ref, s_ref, o_ref, w_ref = refs
-    else:
-        (v_ref, s_ref, o_ref, w_ref, b_ref), t_ref = refs[:5], (refs[5] if scales_transposed else None)
+    per = 1 if fmt is None else 2  # a weight's operands: its values, and its scales
+    stored, refs = [refs[i * per:(i + 1) * per] for i in range(weights)], refs[weights * per:]
+    hw_ref, refs = (refs[0], refs[1:]) if limit is not None else (None, refs)
+    o_ref, refs = refs[0], refs[1:]
+    w_tiles, refs = (refs[:weights], refs[weights:]) if fmt is not None else ((), refs)
+    b_ref, t_ref = (refs[0], refs[1] if scales_transposed else None) if fmt == "fp4" else (None, None)
     n_tile, t = pl.program_id(0), pl.program_id(1)
     group, tile = group_ref[t], tile_ref[t]
     prev = jnp.maximum(t - 1, 0)
@@ -297,27 +305,34 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x
     if fmt is not None:
         @pl.when(computes & new_group)
         def _():
-            if fmt == "fp8":
-                _fp8_dequantize(v_ref, s_ref, w_ref, group, n_tile, k_total)
-            else:
-                _fp4_dequantize(v_ref, s_ref, w_ref, b_ref, t_ref)
+            for (v_ref, s_ref), w_ref in zip(stored, w_tiles):
+                if fmt == "fp8":
+                    _fp8_dequantize(v_ref, s_ref, w_ref, group, n_tile, k_total)
+                else:
+                    _fp4_dequantize(v_ref, s_ref, w_ref, b_ref, t_ref)
 
     @pl.when(computes)
     def _():
         x = x_ref[...]
         if lanes is not None:
             x = _heads_rotated(x, *lanes, head_dim)
-        if fmt is not None:
-            w = w_ref[...]
-        else:
-            w = v_ref[...].astype(x.dtype)
-            if k_total % LANES:  # see _fp8_dequantize: past K, VMEM holds anything
-                w = jnp.where(jax.lax.broadcasted_iota(jnp.int32, w.shape, 1) < k_total, w, jnp.zeros_like(w))
-        # Stated, not left to jax_default_matmul_precision: Mosaic rejects a bf16 product at fp32
-        # precision, and an fp32 one must stay fp32.
-        precision = jax.lax.Precision.DEFAULT if x.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
-        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+        def product(i):  # x times weight i's tile, rounded to x's dtype as the grouped matmul gives it
+            if fmt is not None:
+                w = w_tiles[i][...]
+            else:
+                w = stored[i][0][...].astype(x.dtype)
+                if k_total % LANES:  # see _fp8_dequantize: past K, VMEM holds anything
+                    w = jnp.where(jax.lax.broadcasted_iota(jnp.int32, w.shape, 1) < k_total, w, jnp.zeros_like(w))
+            # Stated, not left to jax_default_matmul_precision: Mosaic rejects a bf16 product at
+            # fp32 precision, and an fp32 one must stay fp32.
+            precision = jax.lax.Precision.DEFAULT if x.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+            return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+        y = product(0)
+        if limit is not None:  # the routed experts' first half: the activation times the routing weights
+            y = (swiglu(y, product(1), limit) * hw_ref[...]).astype(o_ref.dtype)
         row = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= offsets_ref[group]) & (row < offsets_ref[group + 1])
         # A tile's first visit starts from zeros (the buffer holds the previous tile's output);
@@ -349,8 +364,37 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     # Rows up to whole tiles and columns up to whole lanes, as zeros: x is small beside the
     # weights, and zeros past K cancel the weight tile's columns there.
     x = jnp.pad(x, ((0, m_tiles * tm - m), (0, x_columns(k, fmt) - k)))
-    return _call(x, values, group_sizes, m_tiles, tm, tn, fmt=fmt, scale=scale, layer=layer, k=k, n=n,
+    return _call(x, [(values, scale)], group_sizes, m_tiles, tm, tn, fmt=fmt, layer=layer, k=k, n=n,
                  chosen=min(e, m), interpret=interpret)[:m]
+
+
+def grouped_swiglu_tpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, limit: float, layer=None,
+                       interpret: bool = False, block_shape: tuple[int, int] | None = None):
+    """The routed experts' first half in one kernel: `swiglu(x w1_g^T, x w3_g^T, limit) * hw` for
+    the rows of each group g, each product rounded to x's dtype first (as `grouped_matmul_tpu`
+    returns it), the rest in fp32, the result rounded to x's dtype: `[M, N]`, rows past
+    sum(group_sizes) zero (their hw is not used: it may be unset). w1, w3: (values, scale) as
+    `grouped_matmul_tpu` takes them, alike in format and shape; hw fp32 `[M]`, the rows' routing
+    weights. The grouped kernel's grid with both weights' tiles at each step: a group's first
+    step dequantizes both, x's row tile is read once for the two products, and neither product
+    goes through HBM (against two `grouped_matmul_tpu` calls and XLA's activation, which read x
+    twice per column tile and move three `[M, N]` arrays more). block_shape as
+    `grouped_matmul_tpu`'s."""
+    (v1, s1), (v3, s3) = w1, w3
+    layered = layer is not None
+    m, k, e, n, kv = operand_shapes("grouped_swiglu_tpu", x, v1, fmt, layered)
+    if v1.shape != v3.shape or (s1 is None) != (s3 is None) or (s1 is not None and s1.shape != s3.shape) \
+            or hw.shape != (m,):
+        raise ValueError(f"grouped_swiglu_tpu: w1 {list(v1.shape)} and w3 {list(v3.shape)} must match (and their "
+                         f"scales), hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
+    tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, v1.dtype.itemsize, weights=2)
+    if tm % ROWS or tn % LANES:
+        raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
+    m_tiles = pl.cdiv(m, tm)
+    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, x_columns(k, fmt) - k)))
+    hw = jnp.pad(hw.astype(jnp.float32), (0, m_tiles * tm - m))[:, None]  # [M, 1]: a column per row tile
+    return _call(x, [w1, w3], group_sizes, m_tiles, tm, tn, fmt=fmt, layer=layer, k=k, n=n, chosen=min(e, m),
+                 interpret=interpret, swiglu_of=(hw, limit))[:m]
 
 
 def block_diagonal_supported(k: int, n: int, fmt: str | None, head_dim: int | None) -> bool:
@@ -400,7 +444,7 @@ def block_diagonal_matmul_tpu(x, values, *, fmt: str | None = None, scale=None, 
     # Not padded to whole row tiles: a group's last tile reads past x's rows (rows of their own,
     # whatever they hold) and its writes past the output's are dropped.
     lanes = None if x_rope is None else rope_lanes(x_rope, head_dim)
-    return _call(x, values, jnp.full((e,), m_tiles * tm, jnp.int32), m_tiles * e, tm, tn, fmt=fmt, scale=scale,
+    return _call(x, [(values, scale)], jnp.full((e,), m_tiles * tm, jnp.int32), m_tiles * e, tm, tn, fmt=fmt,
                  layer=layer, k=k, n=n, chosen=e, interpret=interpret, diagonal=_Diagonal(m, m_tiles, lanes, head_dim))
 
 
@@ -414,12 +458,15 @@ class _Diagonal(NamedTuple):
     head_dim: int | None
 
 
-def _call(x, values, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | None, scale, layer, k: int,
-          n: int, chosen: int, interpret: bool, diagonal: _Diagonal | None = None):
+def _call(x, stored, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | None, layer, k: int, n: int,
+          chosen: int, interpret: bool, diagonal: _Diagonal | None = None, swiglu_of=None):
     """The pallas_call of `grouped_matmul_tpu`'s product over x padded to whole tiles: `[m_tiles
-    TM, N]`; or with `diagonal`, of `block_diagonal_matmul_tpu`'s over x as it is: `[rows, E N]`.
-    chosen: the most experts its rows may choose (the declared cost's)."""
+    TM, N]`; or with `diagonal`, of `block_diagonal_matmul_tpu`'s over x as it is: `[rows, E N]`;
+    or with swiglu_of = (hw `[m_tiles TM, 1]` fp32, limit), of `grouped_swiglu_tpu`'s. stored: the
+    weights, (values, scale) each (two for the first half, alike). chosen: the most experts its
+    rows may choose (the declared cost's)."""
     layered = layer is not None
+    values = stored[0][0]
     e = values.shape[-3]
     kx = x_columns(k, fmt)
     m = m_tiles * tm
@@ -448,41 +495,55 @@ def _call(x, values, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | 
         out_shape = (diagonal.rows, e * n)
     lane_specs = [pl.BlockSpec((tm, a.shape[1]), lambda j, t, group, tile, x_tile, *_: (jax.lax.rem(x_tile[t], mt), 0))
                   for a in lanes]
-    in_specs = [x_spec, *lane_specs, pl.BlockSpec(layer_axis + (None, tn, kv_block), stack_map(lambda j: (j, 0)))]
-    operands = [x, *lanes, values]
+    in_specs, operands = [x_spec, *lane_specs], [x, *lanes]
     scratch = []
     scales_transposed = False
-    s_read = 0  # scale bytes read: FP4 all of a chosen expert's, FP8 the whole layer's
-    if fmt == "fp8":
-        # The layer's scales with the expert minor (see the module doc), whole: one fetch.
-        scale = jnp.moveaxis(scale, -3, -1)
-        in_specs.append(pl.BlockSpec(layer_axis + tuple(scale.shape[-3:]), stack_map(lambda j: (0, 0, 0), False)))
-        s_read = scale.shape[-3] * scale.shape[-2] * scale.shape[-1] * 4
-    elif fmt == "fp4":
-        g = scale.shape[-1]
-        scales_transposed = g % LANES != 0
+    s_read = 0  # scale bytes read of a weight: FP4 all of a chosen expert's, FP8 the whole layer's
+    for values, scale in stored:
+        in_specs.append(pl.BlockSpec(layer_axis + (None, tn, kv_block), stack_map(lambda j: (j, 0))))
+        operands.append(values)
+        if fmt == "fp8":
+            # The layer's scales with the expert minor (see the module doc), whole: one fetch.
+            scale = jnp.moveaxis(scale, -3, -1)
+            in_specs.append(pl.BlockSpec(layer_axis + tuple(scale.shape[-3:]), stack_map(lambda j: (0, 0, 0), False)))
+            s_read = scale.shape[-3] * scale.shape[-2] * scale.shape[-1] * 4
+        elif fmt == "fp4":
+            g = scale.shape[-1]
+            scales_transposed = g % LANES != 0
+            if scales_transposed:
+                scale = jnp.swapaxes(scale, -1, -2)  # [.., E, G, N]
+                in_specs.append(pl.BlockSpec(layer_axis + (None, g, tn), stack_map(lambda j: (0, j))))
+            else:
+                in_specs.append(pl.BlockSpec(layer_axis + (None, tn, g), stack_map(lambda j: (j, 0))))
+            s_read = n * g
+        if fmt is not None:
+            operands.append(scale)
+            scratch.append(pltpu.VMEM((tn, kx), x.dtype))  # the weight's dequantized tile
+    if fmt == "fp4":  # the scale bytes as int32, shared by the weights' dequantizations in turn
+        g = stored[0][1].shape[-1]
         scratch.append(pltpu.VMEM((tn, _round(g, LANES)), jnp.int32))
         if scales_transposed:
-            scale = jnp.swapaxes(scale, -1, -2)  # [.., E, G, N]
-            in_specs.append(pl.BlockSpec(layer_axis + (None, g, tn), stack_map(lambda j: (0, j))))
             scratch.append(pltpu.VMEM((_round(g, LANES), tn), jnp.int32))
-        else:
-            in_specs.append(pl.BlockSpec(layer_axis + (None, tn, g), stack_map(lambda j: (j, 0))))
-        s_read = n * g
-    if fmt is not None:
-        operands.append(scale)
-        scratch.insert(0, pltpu.VMEM((tn, kx), x.dtype))
+    row_operands = list(lanes)
+    if swiglu_of is not None:
+        hw, limit = swiglu_of
+        in_specs.append(pl.BlockSpec((tm, 1), lambda j, t, group, tile, x_tile, *_: (x_tile[t], 0)))
+        operands.append(hw)
+        row_operands.append(hw)
+    else:
+        limit = None
     col_tiles = pl.cdiv(n, tn)
     # Declared cost, a static upper bound: the experts read are at most min(E, M) (the rows
-    # choose no more), each expert's stored values and scales once (FP8: the layer's scales
-    # once); x once per column tile; the output once. The MXU runs TM rows on every computing
-    # step.
+    # choose no more), each expert's stored values and scales once per weight (FP8: the layer's
+    # scales once); x (and the rows' rope lanes or routing weights) once per column tile; the
+    # output once. The MXU runs TM rows on every computing step, once per weight.
     # (Block-diagonal: the same, x and the rope lanes fetched once per step and column tile.)
-    read = chosen * (n * values.shape[-1] * values.dtype.itemsize + (s_read if fmt == "fp4" else 0)) + (
-        s_read if fmt == "fp8" else 0)
-    cost = pl.CostEstimate(flops=2 * steps * tm * n * kx, transcendentals=0,
+    read = len(stored) * (chosen * (n * values.shape[-1] * values.dtype.itemsize + (s_read if fmt == "fp4" else 0))
+                          + (s_read if fmt == "fp8" else 0))
+    per_row_operands = (e if diagonal is not None else 1) * sum(a.size * a.dtype.itemsize for a in row_operands)
+    cost = pl.CostEstimate(flops=len(stored) * 2 * steps * tm * n * kx, transcendentals=0,
                            bytes_accessed=read + m * n * x.dtype.itemsize
-                           + col_tiles * (x.size * x.dtype.itemsize + e * sum(a.size * 4 for a in lanes)))
+                           + col_tiles * (x.size * x.dtype.itemsize + per_row_operands))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(col_tiles, steps),
@@ -492,14 +553,14 @@ def _call(x, values, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | 
     )
     return pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, k_total=k, scales_transposed=scales_transposed,
-                          head_dim=diagonal.head_dim if lanes else None),
+                          head_dim=diagonal.head_dim if lanes else None, weights=len(stored), limit=limit),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype),
         # Column tiles may be split between TensorCores (v5p's megacore); the steps must run in
-        # order on one core, since a group's later steps reuse its dequantized tile.
+        # order on one core, since a group's later steps reuse its dequantized tiles.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         cost_estimate=cost,
         interpret=interpret,
-        name="dsv4_grouped_matmul",
+        name=NAME if swiglu_of is None else SWIGLU_NAME,
     )(*meta, layer_operand(layer), *operands)

@@ -56,14 +56,15 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     # Layers: window, ratio 4, ratio 128, ratio 4 (one scan body per kind). Sparse attention in the
     # window, ratio-4 and ratio-128 branches; compressors: the ratio-4 kv and indexer ones and the
     # ratio-128 one.
-    # The grouped matmul kernel: the routed experts' three products (one MoE for the three kinds),
-    # and the output projection's wo_a (once, outside the layer-kind switch); on CUDA the experts'
-    # first two products are one fused kernel (with their activation).
+    # The grouped matmul kernel: the routed experts' second product (one MoE for the three kinds),
+    # and the output projection's wo_a (once, outside the layer-kind switch); the experts' first
+    # two products are one fused kernel with their activation (grouped_swiglu).
     # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row),
     # and the ratio-4 branch scores its cached keys and the chunk's own by the indexer's kernel (on
     # TPU XLA computes the scores).
     cuda = aot.target(target).platform == "cuda"
-    grouped = ["dsv4_grouped_matmul_gpu"] * 2 + ["dsv4_grouped_swiglu_gpu"] if cuda else ["dsv4_grouped_matmul"] * 4
+    grouped = (["dsv4_grouped_matmul_gpu"] * 2 + ["dsv4_grouped_swiglu_gpu"] if cuda
+               else ["dsv4_grouped_matmul"] * 2 + ["dsv4_grouped_swiglu"])
     attention = "dsv4_sparse_attention" + ("_fp8" if cuda and kv_cache_dtype == "fp8" else "")
     scores = ["dsv4_indexer_scores_gpu"] * 2 if cuda else []
     # The hyper-connections' GPU kernels (any hidden size; this model's is off TPU's 128 lanes, so
@@ -211,7 +212,7 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     FP8/FP4 weights, compiled for a whole v5p-8 or h200x8 the way dsv4-plan compiles them: the
     FP8 linears go through the matmul kernel per device (under tp_attention too, where the
     column-parallel ones are split), the routed experts and wo_a through the grouped matmul
-    kernel (on GPU the experts' first half through the fused one), the streams through the
+    kernel (the experts' first half through the fused one), the streams through the
     hyper-connections' kernels, and no instruction but a kernel's call touches a whole layer's
     (or expert's) weight: no copy, re-layout or dequantization of one. Under dp_attention the routed experts' tokens go
     by ragged all-to-all, their rows arriving in the kernel's groups (`_rows_arrive_grouped`)."""
@@ -220,7 +221,7 @@ def test_native_step_reads_the_stored_weights_in_place(tmp_path, target, layout,
     suffix = "_gpu" if platform == "cuda" else ""
     kernels = aot.kernel_calls(result.compiled, platform)
     assert {"dsv4_fp8_matmul" + suffix, "dsv4_grouped_matmul" + suffix, "dsv4_sparse_attention"} <= set(kernels)
-    assert ("dsv4_grouped_swiglu_gpu" in kernels) == (platform == "cuda")  # the experts' first half, fused
+    assert "dsv4_grouped_swiglu" + suffix in kernels  # the experts' first half, fused
     # the hyper-connections' kernels: the collapse before each sub-layer (twice in the scan body)
     # and the head's, the expansion after each (twice); on GPU the collapse is two kernels
     hyper = ({"dsv4_hc_collapse": 3, "dsv4_hc_expand": 2} if platform == "tpu" else

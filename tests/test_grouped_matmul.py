@@ -25,7 +25,7 @@ import pytest
 import pallas_kernels
 from dsv4_jax.tools import aot
 from dsv4_jax.model.quantized import QuantizedWeight
-from pallas_kernels import grouped_matmul, grouped_matmul_ref
+from pallas_kernels import grouped_matmul, grouped_matmul_ref, swiglu
 from dsv4_jax.tools import kernel_report as report
 from pallas_kernels import grouped_matmul_tpu as gmt
 
@@ -391,3 +391,118 @@ def test_block_diagonal_matmul_compiles_for_tpu(target, m):
     assert _stack_ops(hlo, stack) == []
     for shape in (f"{e},{m},{k}", f"{e * m},{k}", f"{e},{m},{n}", f"{e * m},{n}"):
         assert f"[{shape}]" not in hlo, shape
+
+
+# ----------------------------------------------------------------------------- the first half, fused
+
+# (format, x dtype, E, N, K, M, group sizes, (TM, TN) or None for the kernel's own, layers): decode
+# rows (fewer than E, TM 16), a prefill chunk's, small tiles that groups straddle, N and K
+# off the lanes, FP4 scales read as stored (K / 32 a multiple of 128) and transposed, one group
+# holding every row, rows past every group, no row chosen, a layer of a stack.
+SWIGLU = {
+    "fp4-decode-bf16": ("fp4", BF16, 8, 200, 300, 3, "padded", None, None),
+    "fp4-k4096-bf16": ("fp4", BF16, 4, 128, 4096, 8, "spread", None, 2),
+    "fp8-tiles-fp32": ("fp8", F32, 6, 300, 200, 70, [5, 0, 20, 1, 0, 30], (16, 128), None),
+    "fp8-prefill-bf16": ("fp8", BF16, 8, 384, 256, 512, "spread", None, None),
+    "bf16-one-group": ("bf16", BF16, 6, 256, 128, 64, "one", None, None),
+    "fp32-none-chosen": ("fp32", F32, 4, 136, 200, 40, [0, 0, 0, 0], (16, 128), None),
+    "fp4-tiles-fp32": ("fp4", F32, 4, 256, 192, 512, "padded", (64, 128), 3),
+}
+
+
+def _first_half_operands(case):
+    fmt, dtype, e, n, k, m, kind, block, layers = SWIGLU[case]
+    lead = (layers, e) if layers else (e,)
+    w1, w3 = _weight(fmt, lead, n, k, seed=n + k), _weight(fmt, lead, n, k, seed=n + k + 1)
+    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
+    sizes = np.asarray(kind, np.int32) if isinstance(kind, list) else _sizes(m, e, kind, seed=m + e)
+    hw = np.random.default_rng(m).uniform(0.05, 1.0, m).astype(np.float32)
+    hw[int(np.sum(sizes)):] = np.nan  # an exchange's unset rows: never read
+    layer = jnp.int32(layers - 1) if layers else None
+    return x, w1, w3, sizes, jnp.asarray(hw), layer, block
+
+
+def _stored_pair(w):
+    return (w.values, w.scale) if hasattr(w, "fmt") else (w, None)
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.7])
+@pytest.mark.parametrize("case", list(SWIGLU))
+def test_grouped_swiglu_tpu_equals_the_unfused_kernel(case, limit):
+    """`grouped_swiglu_tpu` (the Pallas interpreter) against `grouped_matmul_tpu` twice at the
+    same tiles and `swiglu` times the routing weights: equal (the same products, each rounded to
+    x's dtype, then the same fp32 ops), with and without the clamp; rows past the groups zero
+    although their routing weights are NaN."""
+    x, w1, w3, sizes, hw, layer, block = _first_half_operands(case)
+    fmt, m, n = getattr(w1, "fmt", None), x.shape[0], w1.shape[-2]
+    g = jnp.asarray(sizes)
+    block = block or gmt.tiles(m, n, x.shape[1], w1.shape[-3], fmt, x.dtype.itemsize,
+                               _stored_pair(w1)[0].dtype.itemsize, weights=2)
+    out = gmt.grouped_swiglu_tpu(x, _stored_pair(w1), _stored_pair(w3), g, hw, fmt=fmt, limit=limit, layer=layer,
+                                 interpret=True, block_shape=block)
+    h1, h3 = (gmt.grouped_matmul_tpu(x, _stored_pair(w)[0], g, fmt=fmt, scale=_stored_pair(w)[1], layer=layer,
+                                     interpret=True, block_shape=block) for w in (w1, w3))
+    want = np.asarray((swiglu(h1, h3, limit) * hw[:, None]).astype(x.dtype), np.float32)
+    got = np.asarray(out, np.float32)
+    total = int(np.sum(sizes))
+    assert out.dtype == x.dtype and out.shape == (m, n)
+    assert np.array_equal(got[:total], want[:total]) and np.all(got[total:] == 0.0)
+    if total:
+        assert np.abs(got[:total]).max() > 0.01
+
+
+def test_grouped_swiglu_tpu_tiles_and_bad_input():
+    """A prefill round under expert parallelism on 8 devices (6,144 rows over 32 experts of
+    Flash's w1 and w3, FP4) keeps the unfused kernel's two column tiles (x read twice, not
+    four times) with a smaller TM, both weights' tiles within the VMEM budget; decode keeps TM
+    16. Weights that differ, or routing weights not one per row: a ValueError naming them."""
+    assert gmt.tiles(6144, 2048, 4096, 32, "fp4", 2, 1) == (256, 1024)
+    assert gmt.tiles(6144, 2048, 4096, 32, "fp4", 2, 1, weights=2) == (128, 1024)
+    assert gmt.vmem_bytes(128, 1024, 2048, 4096, 32, "fp4", 2, 1, weights=2) <= gmt.VMEM_BUDGET
+    assert gmt.tiles(8, 2048, 4096, 256, "fp4", 2, 1, weights=2)[0] == 16
+    w = _weight("fp4", (4,), 64, 128, seed=0)
+    x, g = jnp.zeros((8, 128), BF16), jnp.asarray([2, 2, 2, 2], jnp.int32)
+    other = _weight("fp4", (4,), 128, 128, seed=0)
+    with pytest.raises(ValueError, match=r"grouped_swiglu_tpu: w1 \[4, 64, 64\] and w3 \[4, 128, 64\] must match"):
+        gmt.grouped_swiglu_tpu(x, _stored_pair(w), _stored_pair(other), g, jnp.ones(8), fmt="fp4", limit=0.0)
+    with pytest.raises(ValueError, match=r"hw \(8, 1\) must be \[M\]"):
+        gmt.grouped_swiglu_tpu(x, _stored_pair(w), _stored_pair(w), g, jnp.ones((8, 1)), fmt="fp4", limit=0.0)
+
+
+# (format, M, E, layers): Flash's w1 and w3 ([2048, 4096] each): decode rows of all 256 experts,
+# a prefill round's rows under expert parallelism on 8 devices (32 experts each), FP8's prefill.
+COMPILED_SWIGLU = {
+    "fp4-decode-layers": ("fp4", 8, 256, 2),
+    "fp4-prefill-ep8-layers": ("fp4", 6144, 32, 2),
+    "fp8-prefill": ("fp8", 3072, 256, None),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPILED_SWIGLU))
+@pytest.mark.parametrize("target", TPU_TARGETS)
+def test_grouped_swiglu_tpu_compiles_and_reads_both_weights_once(target, case):
+    """The fused kernel alone in the compiled program; its declared cost (what dsv4-plan counts,
+    `plan.GROUPED_KERNELS`: two weights) and the program's are at least both weights' stored
+    bytes of the experts the rows may choose, the declared one at most 10% more than those, x
+    once per column tile, the routing weights and the output; no op but the kernel copies or
+    re-lays out either stack."""
+    fmt, m, e, layers = COMPILED_SWIGLU[case]
+    n, k = 2048, 4096
+    lead = (layers, e) if layers else (e,)
+    w1, w3 = _stored(fmt, lead, n, k), _stored(fmt, lead, n, k)
+    args = [S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *w1, *w3] + ([S((), jnp.int32)] if layers else [])
+
+    def fn(x, g, hw, *rest):
+        (a1, b1, a3, b3), layer = (rest[:4], rest[4] if layers else None)
+        return gmt.grouped_swiglu_tpu(x, (a1, b1), (a3, b3), g, hw, fmt=fmt, limit=10.0, layer=layer)
+
+    result = aot.compile_for(target, jax.jit(fn), *args)
+    assert aot.kernel_calls(result.compiled, "tpu") == ["dsv4_grouped_swiglu"]
+    per_expert = sum(a.size * a.dtype.itemsize for a in w1) // (layers or 1) // e
+    chosen = 2 * min(e, m) * per_expert
+    declared = report._tpu_facts(result.compiled)["declared_cost"]["bytes_accessed"]
+    _, tn = gmt.tiles(m, n, k, e, fmt, 2, 1, weights=2)
+    assert result.cost["bytes accessed"] >= declared >= chosen
+    assert declared <= 1.1 * (chosen + (n // tn) * m * (2 * k + 4) + 2 * m * n)
+    hlo = result.compiled.as_text()
+    assert [op for a in w1 for op in _stack_ops(hlo, a)] == []

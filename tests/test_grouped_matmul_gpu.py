@@ -171,8 +171,8 @@ def _swiglu_bound(h1, h3, hw, limit, err):
 
 @pytest.mark.parametrize("case", ["fp4-multitile-fp32", "fp8-padded-fp32", "fp8-large-fp32"])
 def test_grouped_swiglu_matches_ref(case):
-    """`grouped_swiglu` with impl="pallas" (in the interpreter: the TPU kernel twice and the
-    activation) and the GPU kernel against `grouped_swiglu_ref` (fp32), within the products'
+    """`grouped_swiglu` with impl="pallas" (in the interpreter: the fused TPU kernel,
+    `grouped_swiglu_tpu`) and the GPU kernel against `grouped_swiglu_ref` (fp32), within the products'
     tolerance carried through the activation; a layer of a stack read in place."""
     fmt, dtype, e, n, k, sizes, m = MATCHES[case]
     w1, w3 = _weight(fmt, (2, e), n, k, seed=k), _weight(fmt, (2, e), n, k, seed=k + 1)

@@ -55,7 +55,8 @@ from pallas_kernels.fp8_activations_gpu import fp8_activation_matmul_gpu  # noqa
 from pallas_kernels.fp8_activations_tpu import fp8_activation_matmul_tpu  # noqa: E402
 from pallas_kernels.grouped_matmul_gpu import (block_diagonal_matmul_gpu, grouped_matmul_gpu,  # noqa: E402
                                                grouped_swiglu_gpu)
-from pallas_kernels.grouped_matmul_tpu import block_diagonal_matmul_tpu, grouped_matmul_tpu  # noqa: E402
+from pallas_kernels.grouped_matmul_tpu import (block_diagonal_matmul_tpu, grouped_matmul_tpu,  # noqa: E402
+                                               grouped_swiglu_tpu)
 from pallas_kernels.hyper_connection_gpu import MIXES_BK, hc_expand_gpu, hc_mixes_gpu, hc_sum_gpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
 from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
@@ -134,8 +135,8 @@ def _fp8_activation_matmul_case(m: int, n: int, k: int) -> dict:
 def _grouped_matmul_case(fmt: str, m: int, n: int, k: int, fused: bool = False) -> dict:
     """bf16 rows `[m, k]` sorted over Flash's 256 routed experts `[256, n, k]` (FP8: e4m3, float32
     128x128 block scales; FP4: e2m1 pairs, E8M0 per-32 scales); decode 8 tokens' top-6 rows
-    (48), prefill a 512-token chunk's (3072). fused: the experts' first half on CUDA
-    (`grouped_swiglu_gpu`: w1 and w3, fp32 routing weights `[m]`, one output)."""
+    (48), prefill a 512-token chunk's (3072). fused: the experts' first half (`grouped_swiglu_tpu`,
+    `grouped_swiglu_gpu`: w1 and w3, fp32 routing weights `[m]`, one output)."""
     e = 256
     if fmt == "fp8":
         stored = [S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // 128), -(-k // 128)), F32)]
@@ -144,7 +145,9 @@ def _grouped_matmul_case(fmt: str, m: int, n: int, k: int, fused: bool = False) 
     per_expert = sum(a.size * a.dtype.itemsize for a in stored) // e
     shapes = {"M": m, "E": e, "N": n, "K": k, "weight": fmt, "x": "bfloat16"}
     if fused:  # as many experts as rows, at most all, of both weights; x, the routing weights, the output
-        return {"fn": {"cuda": lambda x, g, hw, v1, s1, v3, s3: grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw,
+        return {"fn": {"tpu": lambda x, g, hw, v1, s1, v3, s3: grouped_swiglu_tpu(x, (v1, s1), (v3, s3), g, hw,
+                                                                                  fmt=fmt, limit=10.0),
+                       "cuda": lambda x, g, hw, v1, s1, v3, s3: grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw,
                                                                                    fmt=fmt, limit=10.0)},
                 "args": (S((m, k), BF16), S((e,), jnp.int32), S((m,), F32), *stored, *stored), "shapes": shapes,
                 "minimum_bytes": 2 * min(e, m) * per_expert + 2 * (m * k + m * n) + 4 * m}

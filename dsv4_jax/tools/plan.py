@@ -285,8 +285,9 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ATTENTION_KERNEL = "dsv4_sparse_attention"
-# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's)
-GROUPED_KERNELS = {"dsv4_grouped_matmul": 1, grouped_matmul_gpu.SWIGLU_NAME: 2}
+# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's);
+# the first name a kernel's line holds counts
+GROUPED_KERNELS = {grouped_matmul_tpu.SWIGLU_NAME: 2, grouped_matmul_gpu.SWIGLU_NAME: 2, grouped_matmul_tpu.NAME: 1}
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
 # the kernels whose declared flops are FP8 products
 FP8_KERNELS = (fp8_activations_gpu.KERNEL_NAME, fp8_activations_tpu.KERNEL_NAME)
@@ -725,12 +726,14 @@ def routed_flop_share(s: Setup, tokens: int, platform: str):
         n, kv = values.sharding.shard_shape(values.shape)[-2:]
         fmt = w.fmt if isinstance(w, QuantizedWeight) else None
         # (x reaches the kernel in the weight's compute dtype: moe._expert_rows)
-        widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize)
+        # (w1 and w3 are one call, `grouped_swiglu`, whose tiles hold both weights')
+        widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize,
+                     2 if name == "w1" else 1)
 
     def share(m: int, n: int) -> float:
-        k_in, fmt, x_itemsize, w_itemsize = widths[n]
+        k_in, fmt, x_itemsize, w_itemsize, weights = widths[n]
         if platform == "tpu":
-            tm = grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize)[0]
+            tm = grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, weights)[0]
             declared = grouped_matmul_tpu.max_steps(-(-m // tm), m, local)
             steps = chosen + sum(_above(*received, b * tm) for b in range(1, -(-m // tm)))
         else:
