@@ -21,16 +21,21 @@ def _stored(w):
     return (w.values, w.scale, w.fmt) if hasattr(w, "fmt") else (w, None, None)
 
 
+def _rows(x):
+    """x `[M, K]`, or in pieces `[M, P, K/P]`, as `[M, K]`."""
+    return x.reshape(x.shape[0], -1)
+
+
 def _check(name: str, x, w, group_sizes, layer):
     lead = 2 if layer is not None else 1
-    if (x.ndim != 2 or len(w.shape) != lead + 2 or w.shape[-1] != x.shape[1]
+    if (x.ndim not in (2, 3) or len(w.shape) != lead + 2 or w.shape[-1] != _rows(x).shape[1]
             or group_sizes.shape != (w.shape[lead - 1],)):
         stack = "[L, E, N, K]" if layer is not None else "[E, N, K]"
         raise ValueError(f"{name}: x {tuple(x.shape)}, a weight {list(w.shape)} and group_sizes "
-                         f"{tuple(group_sizes.shape)} (needs x [M, K], w {stack}, group_sizes [E])")
+                         f"{tuple(group_sizes.shape)} (needs x [M, K] or [M, P, K/P], w {stack}, group_sizes [E])")
 
 
-def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
+def grouped_matmul(x, w, group_sizes, *, layer=None, out_pieces: int = 1, impl: str = "auto"):
     """x `[M, K]` (bf16 or fp32) times each group's expert of w transposed: `[M, N]` in x's
     dtype, products accumulated in fp32, rows past sum(group_sizes) zero.
 
@@ -39,22 +44,32 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
     `QuantizedWeight` (FP8 or FP4, as stored; dequantized as `QuantizedWeight.dequantize`
     does, to x's dtype); with `layer` (int scalar, may be traced) the stack `[L, E, N, K]` of
     every layer, of which layer `layer` is used without slicing it out first.
+    x may come in pieces `[M, P, K/P]`, and with out_pieces Q the output goes as `[M, Q, N/Q]`:
+    each row in pieces, the layout in which XLA moves 16-bit rows through a ragged all-to-all on
+    TPU, which the TPU kernel reads and writes in place (`grouped_matmul_tpu`); a reshape of
+    whole rows elsewhere.
     impl: "ref" (`grouped_matmul_ref`: dequantize, then a ragged product), "pallas" (the Mosaic
     TPU kernel on TPU, the Pallas-Triton kernel `grouped_matmul_gpu` on CUDA, and the TPU
     kernel in the Pallas interpreter elsewhere) or "auto" (the kernels on TPU and CUDA, the
     reference elsewhere)."""
     _check("grouped_matmul", x, w, group_sizes, layer)
+    n = w.shape[-2]
+    if out_pieces < 1 or n % out_pieces:
+        raise ValueError(f"grouped_matmul: out_pieces {out_pieces} does not divide the output's width {n}")
     values, scale, fmt = _stored(w)
+
+    def in_pieces(y):  # `[M, N]` -> the output's shape
+        return y.reshape(y.shape[0], out_pieces, -1) if out_pieces > 1 else y
 
     def kernel(interpret):
         return lambda x, g, *l: grouped_matmul_tpu(x, values, g, fmt=fmt, scale=scale, layer=l[0] if l else None,
-                                                   interpret=interpret)
+                                                   interpret=interpret, out_pieces=out_pieces)
 
     def gpu(x, g, *l):
-        return grouped_matmul_gpu(x, values, g, fmt=fmt, scale=scale, layer=l[0] if l else None)
+        return in_pieces(grouped_matmul_gpu(_rows(x), values, g, fmt=fmt, scale=scale, layer=l[0] if l else None))
 
     def ref(x, g, *l):
-        return grouped_matmul_ref(x, w, g, layer=l[0] if l else None)
+        return in_pieces(grouped_matmul_ref(_rows(x), w, g, layer=l[0] if l else None))
 
     run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=gpu, interpret=kernel(True))
     return run(x, group_sizes, *(() if layer is None else (layer,)))
@@ -63,7 +78,8 @@ def grouped_matmul(x, w, group_sizes, *, layer=None, impl: str = "auto"):
 def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl: str = "auto"):
     """The routed experts' first half: `swiglu(grouped_matmul(x, w1), grouped_matmul(x, w3),
     limit) * hw` rounded to x's dtype (`grouped_swiglu_ref`), `[M, N]`, rows past
-    sum(group_sizes) zero. x, group_sizes, layer as `grouped_matmul` takes them; w1 and w3 alike
+    sum(group_sizes) zero. x (`[M, K]` or in pieces), group_sizes, layer as `grouped_matmul`
+    takes them; w1 and w3 alike
     in format and shape `[E, N, K]` (or `[L, E, N, K]`); hw fp32 `[M]`, the rows' routing weights
     (past the groups not read: may be unset).
 
@@ -78,14 +94,15 @@ def grouped_swiglu(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, impl
                          f"{list(w3.shape)}) must be alike, hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
 
     def ref(x, g, hw, *l):
-        return grouped_swiglu_ref(x, w1, w3, g, hw, limit=limit, layer=l[0] if l else None)
+        return grouped_swiglu_ref(_rows(x), w1, w3, g, hw, limit=limit, layer=l[0] if l else None)
 
     def kernel(interpret):
         return lambda x, g, hw, *l: grouped_swiglu_tpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit,
                                                        layer=l[0] if l else None, interpret=interpret)
 
     def gpu(x, g, hw, *l):
-        return grouped_swiglu_gpu(x, (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit, layer=l[0] if l else None)
+        return grouped_swiglu_gpu(_rows(x), (v1, s1), (v3, s3), g, hw, fmt=fmt, limit=limit,
+                                  layer=l[0] if l else None)
 
     run = dispatch(impl, ref=ref, tpu=kernel(False), gpu=gpu, interpret=kernel(True))
     return run(x, group_sizes, hw, *(() if layer is None else (layer,)))

@@ -42,6 +42,7 @@ and high nibbles' values interleaved back into x's column order by in-vreg lane 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -95,7 +96,7 @@ def vmem_bytes(tm: int, tn: int, n: int, k: int, e: int, fmt: str | None, x_item
 
 
 def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_itemsize: int,
-          weights: int = 1) -> tuple[int, int]:
+          weights: int = 1, whole_width: bool = False) -> tuple[int, int]:
     """(TM, TN). TM: the rows a chosen expert gets on average when every row picks another one
     (M / min(E, M)) rounded up to a power of two, at least 16 (bf16 rows come in 16s) and at
     most 512: a step multiplies TM rows whatever its group holds, and the grid has up to one
@@ -105,7 +106,8 @@ def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_it
     prefill chunk, whose x is read once per column tile, each expert's weight once in all), up
     to half of N: two column tiles (one for each TensorCore of a v5p megacore). Both shrink
     until `vmem_bytes` (of `weights` weights) fits VMEM_BUDGET: TN first, or for a wide x TM
-    first, down to WIDE_MIN_TM."""
+    first, down to WIDE_MIN_TM. whole_width: TN is N up to whole lanes (one column tile: an
+    output in pieces, `grouped_matmul_tpu`), and only TM shrinks; ValueError if no TM fits."""
     per_group = pl.cdiv(m, max(1, min(e, m)))
     tm = ROWS
     while tm < min(per_group, MAX_TM):
@@ -114,6 +116,8 @@ def tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_it
     wide = m > MAX_TM
     max_tn = max(MAX_TN, _round(pl.cdiv(n, 2), LANES)) if wide else MAX_TN
     candidates = [LANES * d for d in range(max_tn // LANES, 0, -1) if blocks % d == 0]
+    if whole_width:
+        candidates = [LANES * blocks]
     tn = candidates[0]
     while vmem_bytes(tm, tn, n, k, e, fmt, x_itemsize, w_itemsize, weights) > VMEM_BUDGET:
         smaller = [c for c in candidates if c < tn]
@@ -300,7 +304,7 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x
     computes = t < live_ref[0]
     new_group = (t == 0) | (group_ref[prev] != group)
     new_tile = (t == 0) | (tile_ref[prev] != tile)
-    tm, tn = o_ref.shape
+    tm, tn = o_ref.shape[0], math.prod(o_ref.shape[1:])  # (an output in pieces: its rows whole)
 
     if fmt is not None:
         @pl.when(computes & new_group)
@@ -313,7 +317,7 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x
 
     @pl.when(computes)
     def _():
-        x = x_ref[...]
+        x = x_ref[...].reshape(tm, -1)  # (rows in pieces: whole rows)
         if lanes is not None:
             x = _heads_rotated(x, *lanes, head_dim)
 
@@ -337,18 +341,55 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x
         mine = (row >= offsets_ref[group]) & (row < offsets_ref[group + 1])
         # A tile's first visit starts from zeros (the buffer holds the previous tile's output);
         # a later visit by the next group keeps what the earlier groups wrote.
-        before = jnp.where(new_tile, jnp.zeros_like(y), o_ref[...])
-        o_ref[...] = jnp.where(mine, y, before)
+        before = jnp.where(new_tile, jnp.zeros_like(y), o_ref[...].reshape(tm, tn))
+        o_ref[...] = jnp.where(mine, y, before).reshape(o_ref.shape)
 
     @pl.when((t >= live_ref[0]) & (t < live_ref[1]))
     def _():
         o_ref[...] = jnp.zeros_like(o_ref)
 
 
+def in_pieces(width: int, pieces: int, fmt: str | None = None) -> bool:
+    """Whether rows of `width` values kept in `pieces` pieces `[pieces, width / pieces]` (see
+    `grouped_matmul_tpu`) are read or written as they are: more than one piece, each of whole
+    lanes, and (as x) no columns to add for the format."""
+    return pieces > 1 and width % (pieces * LANES) == 0 and x_columns(width, fmt) == width
+
+
+def output_tiles(m: int, n: int, k: int, e: int, fmt: str | None, x_itemsize: int, w_itemsize: int,
+                 out_pieces: int) -> tuple[int, int, bool]:
+    """(TM, TN, whether the kernel writes the output in its pieces) of `grouped_matmul_tpu`: for
+    an output in pieces that `in_pieces` allows, the whole width in one column tile if a row
+    tile fits beside it; else `tiles`' (the output then re-laid out by XLA)."""
+    if in_pieces(n, out_pieces):
+        try:
+            return (*tiles(m, n, k, e, fmt, x_itemsize, w_itemsize, whole_width=True), True)
+        except ValueError:
+            pass
+    return (*tiles(m, n, k, e, fmt, x_itemsize, w_itemsize), False)
+
+
+def _x_operand(x, k: int, fmt: str | None, rows: int):
+    """x `[M, K]` or `[M, P, K/P]` as the kernel reads it: rows up to `rows` (whole tiles) and
+    columns up to whole lanes, as zeros (x is small beside the weights, and zeros past K cancel
+    the weight tile's columns there); in its pieces where `in_pieces` allows, else `[rows, K']`."""
+    m = x.shape[0]
+    if x.ndim == 3 and in_pieces(k, x.shape[1], fmt):
+        return jnp.pad(x, ((0, rows - m), (0, 0), (0, 0)))
+    return jnp.pad(x.reshape(m, k), ((0, rows - m), (0, x_columns(k, fmt) - k)))
+
+
 def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=None, layer=None,
-                       interpret: bool = False, block_shape: tuple[int, int] | None = None):
+                       interpret: bool = False, block_shape: tuple[int, int] | None = None, out_pieces: int = 1):
     """x `[M, K]` (bf16 or fp32, rows sorted by group) times each group's expert transposed:
     `[M, N]` in x's dtype, rows past sum(group_sizes) zero.
+
+    x may also come as `[M, P, K/P]`, and the output go as `[M, out_pieces, N/out_pieces]`: each
+    row in pieces, the layout in which XLA moves bf16 rows through a ragged all-to-all on TPU
+    (a row's pieces are a (2, 128) tile's two sublanes, so that every row is contiguous) and
+    which it re-lays out for a kernel that takes `[M, K]`; the kernel reads and writes it in
+    place (the block's reshape is done in VMEM) where `in_pieces` allows, the output in one
+    column tile (TN = N).
 
     values: a plain stack `[E, N, K]` (fmt None, bf16 or fp32), FP8 e4m3 `[E, N, K]` with
     `scale` float32 `[E, ceil(N/128), ceil(K/128)]` (fmt "fp8"), or FP4 uint8 `[E, N, K/2]` with
@@ -356,16 +397,20 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
     both have a leading layer axis `[L, ...]` and layer `layer` is used. group_sizes int32 `[E]`,
     sum <= M (not checked). block_shape overrides (TM, TN) (TM a multiple of 16, TN of 128)."""
     layered = layer is not None
-    m, k, e, n, kv = operand_shapes("grouped_matmul_tpu", x, values, fmt, layered)
-    tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize)
+    m, k, e, n, kv = operand_shapes("grouped_matmul_tpu", x.reshape(x.shape[0], -1), values, fmt, layered)
+    if out_pieces < 1 or n % out_pieces:
+        raise ValueError(f"grouped_matmul_tpu: out_pieces {out_pieces} does not divide N = {n}")
+    if block_shape:
+        (tm, tn), pieces = block_shape, in_pieces(n, out_pieces) and block_shape[1] == n
+    else:
+        tm, tn, pieces = output_tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize, out_pieces)
     if tm % ROWS or tn % LANES:
         raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
     m_tiles = pl.cdiv(m, tm)
-    # Rows up to whole tiles and columns up to whole lanes, as zeros: x is small beside the
-    # weights, and zeros past K cancel the weight tile's columns there.
-    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, x_columns(k, fmt) - k)))
-    return _call(x, [(values, scale)], group_sizes, m_tiles, tm, tn, fmt=fmt, layer=layer, k=k, n=n,
-                 chosen=min(e, m), interpret=interpret)[:m]
+    out = _call(_x_operand(x, k, fmt, m_tiles * tm), [(values, scale)], group_sizes, m_tiles, tm, tn, fmt=fmt,
+                layer=layer, k=k, n=n, chosen=min(e, m), interpret=interpret,
+                out_pieces=out_pieces if pieces else 1)[:m]
+    return out.reshape((m, out_pieces, n // out_pieces) if out_pieces > 1 else (m, n))
 
 
 def grouped_swiglu_tpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, limit: float, layer=None,
@@ -373,16 +418,16 @@ def grouped_swiglu_tpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, li
     """The routed experts' first half in one kernel: `swiglu(x w1_g^T, x w3_g^T, limit) * hw` for
     the rows of each group g, each product rounded to x's dtype first (as `grouped_matmul_tpu`
     returns it), the rest in fp32, the result rounded to x's dtype: `[M, N]`, rows past
-    sum(group_sizes) zero (their hw is not used: it may be unset). w1, w3: (values, scale) as
-    `grouped_matmul_tpu` takes them, alike in format and shape; hw fp32 `[M]`, the rows' routing
-    weights. The grouped kernel's grid with both weights' tiles at each step: a group's first
-    step dequantizes both, x's row tile is read once for the two products, and neither product
-    goes through HBM (against two `grouped_matmul_tpu` calls and XLA's activation, which read x
-    twice per column tile and move three `[M, N]` arrays more). block_shape as
-    `grouped_matmul_tpu`'s."""
+    sum(group_sizes) zero (their hw is not used: it may be unset). x `[M, K]` or `[M, P, K/P]`
+    and w1, w3 (values, scale) as `grouped_matmul_tpu` takes them, alike in format and shape; hw
+    fp32 `[M]`, the rows' routing weights. The grouped kernel's grid with both weights' tiles at
+    each step: a group's first step dequantizes both, x's row tile is read once for the two
+    products, and neither product goes through HBM (against two `grouped_matmul_tpu` calls and
+    XLA's activation, which read x twice per column tile and move three `[M, N]` arrays more).
+    block_shape as `grouped_matmul_tpu`'s."""
     (v1, s1), (v3, s3) = w1, w3
     layered = layer is not None
-    m, k, e, n, kv = operand_shapes("grouped_swiglu_tpu", x, v1, fmt, layered)
+    m, k, e, n, kv = operand_shapes("grouped_swiglu_tpu", x.reshape(x.shape[0], -1), v1, fmt, layered)
     if v1.shape != v3.shape or (s1 is None) != (s3 is None) or (s1 is not None and s1.shape != s3.shape) \
             or hw.shape != (m,):
         raise ValueError(f"grouped_swiglu_tpu: w1 {list(v1.shape)} and w3 {list(v3.shape)} must match (and their "
@@ -391,7 +436,7 @@ def grouped_swiglu_tpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, li
     if tm % ROWS or tn % LANES:
         raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
     m_tiles = pl.cdiv(m, tm)
-    x = jnp.pad(x, ((0, m_tiles * tm - m), (0, x_columns(k, fmt) - k)))
+    x = _x_operand(x, k, fmt, m_tiles * tm)
     hw = jnp.pad(hw.astype(jnp.float32), (0, m_tiles * tm - m))[:, None]  # [M, 1]: a column per row tile
     return _call(x, [w1, w3], group_sizes, m_tiles, tm, tn, fmt=fmt, layer=layer, k=k, n=n, chosen=min(e, m),
                  interpret=interpret, swiglu_of=(hw, limit))[:m]
@@ -459,12 +504,13 @@ class _Diagonal(NamedTuple):
 
 
 def _call(x, stored, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | None, layer, k: int, n: int,
-          chosen: int, interpret: bool, diagonal: _Diagonal | None = None, swiglu_of=None):
-    """The pallas_call of `grouped_matmul_tpu`'s product over x padded to whole tiles: `[m_tiles
-    TM, N]`; or with `diagonal`, of `block_diagonal_matmul_tpu`'s over x as it is: `[rows, E N]`;
-    or with swiglu_of = (hw `[m_tiles TM, 1]` fp32, limit), of `grouped_swiglu_tpu`'s. stored: the
-    weights, (values, scale) each (two for the first half, alike). chosen: the most experts its
-    rows may choose (the declared cost's)."""
+          chosen: int, interpret: bool, diagonal: _Diagonal | None = None, swiglu_of=None, out_pieces: int = 1):
+    """The pallas_call of `grouped_matmul_tpu`'s product over x padded to whole tiles (`[m_tiles
+    TM, K']`, or in pieces `[m_tiles TM, P, K/P]`): `[m_tiles TM, N]`, or with out_pieces Q > 1
+    (TN = N) `[m_tiles TM, Q, N/Q]`; or with `diagonal`, of `block_diagonal_matmul_tpu`'s over x
+    as it is: `[rows, E N]`; or with swiglu_of = (hw `[m_tiles TM, 1]` fp32, limit), of
+    `grouped_swiglu_tpu`'s. stored: the weights, (values, scale) each (two for the first half,
+    alike). chosen: the most experts its rows may choose (the declared cost's)."""
     layered = layer is not None
     values = stored[0][0]
     e = values.shape[-3]
@@ -482,9 +528,14 @@ def _call(x, stored, group_sizes, m_tiles: int, tm: int, tn: int, *, fmt: str | 
     layer_axis = (None,) if layered else ()
     lanes = () if diagonal is None or diagonal.lanes is None else diagonal.lanes
     if diagonal is None:
-        x_spec = pl.BlockSpec((tm, kx), lambda j, t, group, tile, x_tile, *_: (x_tile[t], 0))
-        out_spec = pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (tile[t], j))
-        out_shape = (m, n)
+        x_spec = pl.BlockSpec((tm,) + x.shape[1:],  # (rows in pieces: whole rows)
+                              lambda j, t, group, tile, x_tile, *_: (x_tile[t],) + (0,) * (x.ndim - 1))
+        if out_pieces > 1:
+            out_spec = pl.BlockSpec((tm, out_pieces, n // out_pieces), lambda j, t, group, tile, *_: (tile[t], 0, 0))
+            out_shape = (m, out_pieces, n // out_pieces)
+        else:
+            out_spec = pl.BlockSpec((tm, tn), lambda j, t, group, tile, *_: (tile[t], j))
+            out_shape = (m, n)
     else:  # group g's row tile r: x's row tile r at column block g, and the output's
         mt = diagonal.m_tiles
         # (lax's div and rem: jnp's floor forms lower to a sign that Mosaic's index maps lack)

@@ -244,6 +244,7 @@ def _rows_arrive_grouped(s, text: str, tokens: int):
     """In the ragged exchange, the rows a device receives arrive in its experts' groups and the
     outputs leave from there (`moe._exchanged`): no computation that runs the grouped matmul
     and the all-to-all sorts or gathers anything of the received buffer's C rows."""
+    from dsv4_jax.model import moe
     from dsv4_jax.model.moe import exchange_rows
     from dsv4_jax.tools import plan
 
@@ -256,6 +257,15 @@ def _rows_arrive_grouped(s, text: str, tokens: int):
     # (a sort of C keys, or a gather of C rows)
     of_buffer = re.compile(rf"%[\w.\-]*(sort[\w.\-]* = \(?\w+\[{capacity}\]|gather[\w.\-]* = \w+\[{capacity},)")
     assert not [line for lines in rounds for line in lines if of_buffer.search(line)]
+    if aot.target(s.target).platform == "tpu":
+        # The bf16 rows move in two pieces, `[C, 2, D/2]` (`moe.exchange_pieces`), which the
+        # experts' kernels read and write in place: no op re-lays the received rows or the
+        # outputs out (a copy, fusion, reshape or SparseCore data-format call of C rows).
+        d = s.cfg.hidden_size
+        assert moe.exchange_pieces(d, jnp.bfloat16) == 2
+        relaid = re.compile(rf"= bf16\[{capacity},(2,{d // 2}|{d})\]\{{[^}}]*\}} (copy|fusion|reshape|transpose)\(")
+        assert not [line[:160] for lines in rounds for line in lines if relaid.search(line)]
+        assert "sparse-core-data-format" not in text
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "tpu7x-8", "h200x8"])

@@ -506,3 +506,82 @@ def test_grouped_swiglu_tpu_compiles_and_reads_both_weights_once(target, case):
     assert declared <= 1.1 * (chosen + (n // tn) * m * (2 * k + 4) + 2 * m * n)
     hlo = result.compiled.as_text()
     assert [op for a in w1 for op in _stack_ops(hlo, a)] == []
+
+
+# ----------------------------------------------------------------------------- rows in pieces
+
+# (format, x dtype, E, N, K, M, group sizes): rows in two pieces `[M, 2, K/2]` (the layout of the
+# ragged exchange's bf16 rows on TPU) at decode (rows off the 16-row tile) and prefill sizes; a K
+# or N whose halves are not whole lanes (x then flattened, the output reshaped after).
+PIECES = {
+    "fp4-decode": ("fp4", BF16, 8, 512, 256, 13, "padded"),
+    "fp8-prefill": ("fp8", BF16, 6, 256, 512, 512, "spread"),
+    "bf16-one-group": ("bf16", BF16, 4, 256, 256, 64, "one"),
+    "fp32-off-lanes": ("fp32", F32, 4, 200, 300, 40, "padded"),
+}
+
+
+@pytest.mark.parametrize("case", list(PIECES))
+def test_rows_in_pieces(case):
+    """x `[M, 2, K/2]` and the output as `[M, 2, N/2]` (`out_pieces`) through the kernels (the
+    Pallas interpreter, impl="pallas"): the same values as x `[M, K]` and `[M, N]`, exactly,
+    for `grouped_matmul` and `grouped_swiglu`; the reference gives the same shapes. The kernel
+    takes the pieces as they are where `in_pieces` allows (its x block and output block in
+    pieces, the output in one column tile)."""
+    fmt, dtype, e, n, k, m, kind = PIECES[case]
+    w1, w3 = _weight(fmt, (e,), n, k, seed=n + k), _weight(fmt, (e,), n, k, seed=n + k + 1)
+    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), dtype)
+    sizes = _sizes(m, e, kind, seed=m + e)
+    g, hw = jnp.asarray(sizes), jnp.asarray(np.random.default_rng(m).uniform(0.05, 1.0, m), F32)
+    pieces = x.reshape(m, 2, k // 2)
+    flat = np.asarray(grouped_matmul(x, w1, g, impl="pallas"), np.float32)
+    out = grouped_matmul(pieces, w1, g, out_pieces=2, impl="pallas")
+    assert out.shape == (m, 2, n // 2) and out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32).reshape(m, n), flat)
+    assert grouped_matmul(pieces, w1, g, out_pieces=2, impl="ref").shape == (m, 2, n // 2)
+    np.testing.assert_array_equal(np.asarray(pallas_kernels.grouped_swiglu(pieces, w1, w3, g, hw, limit=1.0,
+                                                                           impl="pallas"), np.float32),
+                                  np.asarray(pallas_kernels.grouped_swiglu(x, w1, w3, g, hw, limit=1.0,
+                                                                           impl="pallas"), np.float32))
+    stored = fmt if fmt in ("fp8", "fp4") else None
+    assert gmt.in_pieces(k, 2, stored) == gmt.in_pieces(n, 2) == (case != "fp32-off-lanes")
+    _, tn, whole = gmt.output_tiles(m, n, k, e, stored, x.dtype.itemsize, _stored_pair(w1)[0].dtype.itemsize, 2)
+    assert whole == gmt.in_pieces(n, 2) and (tn == n or not whole)
+    with pytest.raises(ValueError, match="out_pieces 3 does not divide the output's width"):
+        grouped_matmul(x, w1, g, out_pieces=3)
+
+
+def test_output_in_pieces_falls_back_when_the_width_does_not_fit():
+    """An output in pieces needs the whole width in one column tile; where no row tile fits
+    beside it in VMEM (a wide FP8 weight), the kernel tiles as usual and XLA re-lays its output
+    out: `output_tiles` says so."""
+    tm, tn, whole = gmt.output_tiles(64, 16384, 8192, 8, "fp8", 2, 1, 2)
+    assert not whole and (tm, tn) == gmt.tiles(64, 16384, 8192, 8, "fp8", 2, 1)
+    with pytest.raises(ValueError, match="too wide"):
+        gmt.tiles(64, 16384, 8192, 8, "fp8", 2, 1, whole_width=True)
+
+
+@pytest.mark.parametrize("target", TPU_TARGETS)
+def test_rows_in_pieces_compile_in_place(target):
+    """Flash's routed experts in a prefill round of the ragged exchange on 8 devices (6,144 rows,
+    32 experts of each FP4 stack, one layer of 2): the first half reads x `[6144, 2, 2048]` and
+    the second half writes `[6144, 2, 2048]` in the layout XLA gives them (a (2, 128) tile's two
+    sublanes a row), so the compiled program holds no op but the kernels that produces an array
+    of x's or the output's shape: nothing re-lays the rows out around the kernels."""
+    m, e, d, i = 6144, 32, 4096, 2048
+    up, down = _stored("fp4", (2, e), i, d), _stored("fp4", (2, e), d, i)
+    args = [S((m, 2, d // 2), BF16), S((e,), jnp.int32), S((m,), F32), S((), jnp.int32), *up, *up, *down]
+
+    def fn(x, g, hw, layer, v1, s1, v3, s3, v2, s2):
+        h = gmt.grouped_swiglu_tpu(x, (v1, s1), (v3, s3), g, hw, fmt="fp4", limit=10.0, layer=layer)
+        return gmt.grouped_matmul_tpu(h, v2, g, fmt="fp4", scale=s2, layer=layer, out_pieces=2)
+
+    result = aot.compile_for(target, jax.jit(fn), *args)
+    assert aot.kernel_calls(result.compiled, "tpu") == ["dsv4_grouped_swiglu", "dsv4_grouped_matmul"]
+    hlo = result.compiled.as_text()
+    rows = f"bf16[{m},2,{d // 2}]"
+    producers = [line.strip()[:160] for line in hlo.splitlines()
+                 if re.match(rf"\s*(ROOT )?%\S+ = {re.escape(rows)}", line)
+                 and " parameter(" not in line and "tpu_custom_call" not in line]
+    assert producers == []
+    assert re.search(rf"{re.escape(rows)}\{{2,1,0:T\(2,128\)\(2,1\)[^}}]*\}} custom-call", hlo)

@@ -368,3 +368,49 @@ def test_expert_exchange_rule():
                             sharding.make_mesh({"tensor": 2, "expert": 4}))
     with pytest.raises(ValueError, match="`expert_exchange` must be one of"):
         cfg.replace(expert_exchange="nccl")
+
+
+def test_exchange_moves_16_bit_rows_in_pieces(monkeypatch):
+    """bf16 rows whose halves are whole lanes (D = 256) go through the ragged exchange in two
+    pieces, `[rows, 2, D/2]` (`moe.exchange_pieces`, the layout XLA moves them in on TPU): the
+    first half's kernel takes the received rows so and the second half gives its output back
+    so (impl="pallas": the TPU kernels in the interpreter), and the tokens' sums equal the
+    all-gather exchange's (`moe._gathered`) on expert=8, within bf16 rounding of the products
+    (tiles of other sizes). The unset buffers start as NaN."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import pallas_kernels
+    from dsv4_jax.model import moe
+
+    monkeypatch.setattr(moe, "ragged_all_to_all", _ragged_all_to_all_twin)
+    monkeypatch.setattr(moe.jax.lax, "empty", lambda shape, dtype: jax.numpy.full(shape, np.nan, dtype))
+    seen = []
+    for name in ("grouped_swiglu", "grouped_matmul"):
+        kernel = getattr(pallas_kernels, name)
+        monkeypatch.setattr(pallas_kernels, name, lambda x, *a, _k=kernel, **kw: seen.append(
+            (x.shape, kw.get("out_pieces"))) or _k(x, *a, **kw))
+    n, T, k, E, D, I = 8, 12, 3, 16, 256, 128
+    assert moe.exchange_pieces(D, jax.numpy.bfloat16) == 2 and moe.exchange_pieces(D, jax.numpy.float32) == 1
+    rng = np.random.default_rng(0)
+    x = jax.numpy.asarray(rng.standard_normal((n * T, D)), jax.numpy.bfloat16)
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(n * T)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (n * T, k)).astype(np.float32)
+    w1, w3 = (jax.numpy.asarray(rng.standard_normal((1, E, I, D)) / 16, jax.numpy.bfloat16) for _ in range(2))
+    w2 = jax.numpy.asarray(rng.standard_normal((1, E, D, I)) / 16, jax.numpy.bfloat16)
+    mesh = jax.make_mesh((n,), ("expert",))
+    kw = dict(limit=10.0, ep=("expert",), fp8_activations=False, impl="pallas")
+    rows, stack = P("expert"), P(None, "expert")
+
+    def run(fn):
+        local = jax.shard_map(lambda *a: fn(*a, jax.numpy.int32(0)), mesh=mesh,
+                              in_specs=(rows, rows, rows, stack, stack, stack), out_specs=rows, check_vma=False)
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
+                zip((x, experts, weights, w1, w2, w3), (rows, rows, rows, stack, stack, stack))]
+        return np.asarray(jax.jit(local)(*args))
+
+    got = run(lambda *a: moe._exchanged(*a, **kw))
+    assert (((T * k * moe.EXCHANGE_CAPACITY, 2, D // 2), None) in seen
+            and ((T * k * moe.EXCHANGE_CAPACITY, I), 2) in seen)
+    want = run(lambda *a: moe._gathered(*a, gather=("expert",), **kw))
+    assert np.isfinite(got).all() and got.shape == (n * T, D)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max())

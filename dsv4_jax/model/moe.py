@@ -119,13 +119,14 @@ def _grouped(x, experts, weights, w1, w2, w3, *, limit, layer=None, first_expert
 
 
 def _token_sums(y: jnp.ndarray, order: jnp.ndarray, pairs: tuple[int, int]) -> jnp.ndarray:
-    """The outputs y `[T k, D]` of the (token, slot) pairs of pairs = (T, k), y's row i being
-    flattened pair order[i], summed per token in fp32: `[T, D]`.
+    """The outputs y `[T k, D]` (or in pieces `[T k, P, D/P]`) of the (token, slot) pairs of
+    pairs = (T, k), y's row i being flattened pair order[i], summed per token in fp32: `[T, D]`.
 
-    On CUDA a gather of each token's k rows summed slot by slot, which XLA fuses with what the
-    caller adds to the sum and its rounding (a scatter-add writes an fp32 `[T, D]` that the
-    caller's fusion reads back). Elsewhere a scatter-add of the rows into the tokens: on TPU
-    the gathers make XLA copy y into its fast memory first, more bytes than the scatter moves
+    On CUDA, and for rows in pieces, a gather of each token's k rows summed slot by slot, which
+    XLA fuses with what the caller adds to the sum and its rounding (a scatter-add writes an
+    fp32 `[T, D]` that the caller's fusion reads back; in pieces it also converts the rows to
+    fp32 apart). Elsewhere a scatter-add of the rows into the tokens: on TPU the gathers of
+    whole rows make XLA copy y into its fast memory first, more bytes than the scatter moves
     (dsv4-plan on tpu7x-8)."""
     T, k = pairs
 
@@ -136,6 +137,8 @@ def _token_sums(y: jnp.ndarray, order: jnp.ndarray, pairs: tuple[int, int]) -> j
     def scattered(y, order):
         return jnp.zeros((T, y.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
 
+    if y.ndim == 3:  # (the sums `[T, P, D/P]` re-laid out after, not the pairs' k times more rows)
+        return gathered(y, order).reshape(T, -1)
     return jax.lax.platform_dependent(y, order, cuda=gathered, default=scattered)
 
 
@@ -152,20 +155,21 @@ def _pair_outputs(x, experts, weights, w1, w2, w3, limit, layer, first_expert, f
     return y, order
 
 
-def _expert_rows(xs, hw, group_sizes, w1, w2, w3, limit, layer, fp8_activations, impl):
+def _expert_rows(xs, hw, group_sizes, w1, w2, w3, limit, layer, fp8_activations, impl, pieces: int = 1):
     """Rows xs `[R, D]` in groups by expert (group_sizes int32 `[E]`: the first rows expert 0's,
     then expert 1's ..; rows past the groups are not run and come out 0), their routing weights
     hw fp32 `[R]` (past the groups not read): each group's rows multiplied by its expert's stored
     weights, read once per chosen expert (none for an expert no row chose), products in the
     weights' compute dtype as `expert` computes them -> `[R, D]` in w2's dtype. The first two
-    products and their activation are one `pallas_kernels.grouped_swiglu`."""
+    products and their activation are one `pallas_kernels.grouped_swiglu`. With pieces P > 1
+    the rows come and go in pieces, `[R, P, D/P]` (`exchange_pieces`)."""
     # (the scope names these calls in the compiled program: dsv4-plan counts the experts that
     # uniform routing chooses in place of the kernels' declared bound, ROUTED_SCOPE)
     with jax.named_scope(ROUTED_SCOPE):
         h = pallas_kernels.grouped_swiglu(fp8_rounded(xs, fp8_activations).astype(w1.dtype), w1, w3, group_sizes,
                                           hw, limit=limit, layer=layer, impl=impl)
         h = fp8_rounded(h.astype(w2.dtype), fp8_activations)
-        return pallas_kernels.grouped_matmul(h, w2, group_sizes, layer=layer, impl=impl)
+        return pallas_kernels.grouped_matmul(h, w2, group_sizes, layer=layer, out_pieces=pieces, impl=impl)
 
 
 # The rows a device takes per round of the ragged exchange, as a multiple of the T k pairs it
@@ -173,6 +177,16 @@ def _expert_rows(xs, hw, group_sizes, w1, w2, w3, limit, layer, fp8_activations,
 # buffer for the most it could receive (n T k rows) would make its expert work n times what it
 # runs on average; a round more runs when one device receives more than this.
 EXCHANGE_CAPACITY = 2
+
+
+def exchange_pieces(width: int, dtype) -> int:
+    """The pieces P of a row of `width` values that the ragged exchange moves as `[P, width/P]`:
+    on TPU XLA moves a 16-bit row as two pieces (the two sublanes of (2, 128) tiles, so that each
+    row is contiguous) and re-lays out any other shape before and after the collective, while
+    the experts' kernels read and write the rows in pieces in place. 2 for 16-bit rows whose
+    halves are whole lanes, else 1."""
+    pieces = 2 if jnp.dtype(dtype).itemsize == 2 else 1
+    return pieces if width % (pieces * 128) == 0 else 1
 
 
 def exchange_rows(tokens: int, k: int, devices: int) -> int:
@@ -260,7 +274,8 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
     or gather of the rows on the receiving side). Every device knows every slice's size (an
     all-gather of the pairs' counts per expert). In rounds of at most C = EXCHANGE_CAPACITY T k
     received rows per device (static shapes): round r moves stream rows r C .. (r + 1) C - 1, and
-    all devices run the same number of rounds, ceil(longest stream / C)."""
+    all devices run the same number of rounds, ceil(longest stream / C). The rows travel in the
+    pieces XLA moves them in (`exchange_pieces`), which the experts' kernels read and write."""
     T, k = experts.shape
     local_experts = w1.shape[1]
     n = math.prod(jax.lax.axis_size(a) for a in ep)
@@ -275,7 +290,11 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
     in_sent = jnp.cumsum(counts, axis=1) - counts
     in_stream = (jnp.cumsum(totals, axis=1) - totals).reshape(-1) + jnp.cumsum(counts, axis=0) - counts
     rounds = -(-jnp.max(jnp.sum(totals, axis=1)) // capacity)
-    xs, hw = x[order // k].astype(w1.dtype), weights.reshape(-1)[order]
+    pieces = exchange_pieces(x.shape[1], w1.dtype)
+    x = x.astype(w1.dtype)
+    if pieces > 1:  # the pairs' rows `[T k, P, D/P]`, gathered from x in pieces (x is k times smaller)
+        x = x.reshape(T, pieces, -1)
+    xs, hw = x[order // k], weights.reshape(-1)[order]
 
     def mine(a):  # [sender, expert] -> the slices of my experts, by sender: `[n local_experts]`
         return jax.lax.dynamic_slice_in_dim(a, me * local_experts, local_experts, axis=1).reshape(-1)
@@ -293,11 +312,11 @@ def _exchanged(x, experts, weights, w1, w2, w3, layer, *, limit, ep, fp8_activat
 
         group_sizes = jnp.sum(mine(count).reshape(n, local_experts), axis=0)  # this round's rows per expert
         y = _expert_rows(there(xs), there(hw), group_sizes, w1, w2, w3, limit, layer, fp8_activations,
-                         impl)
+                         impl, pieces)
         return ragged_all_to_all(y, back, mine(buffer_at), mine(count), mine(sent_at), count[me], axis_name=ep)
 
     # unset to start with: the rounds bring back the output of every pair
-    back = jax.lax.fori_loop(0, rounds, one_round, jax.lax.empty((T * k, x.shape[1]), w2.dtype))
+    back = jax.lax.fori_loop(0, rounds, one_round, jax.lax.empty(xs.shape, w2.dtype))
     return _token_sums(back, order, (T, k))
 
 

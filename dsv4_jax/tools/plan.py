@@ -71,7 +71,8 @@ from dsv4_jax.model.cache import (KV_CACHE_DTYPES, blocks_per_row, cache_spec,  
 from dsv4_jax.model.config import EXPERT_EXCHANGES, ConfigError, ModelConfig  # noqa: E402
 from dsv4_jax.model.layer_kinds import COMPRESSED  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
-from dsv4_jax.model.moe import ROUTED_SCOPE, exchange_rows, expert_exchange as expert_exchange_of  # noqa: E402
+from dsv4_jax.model.moe import (ROUTED_SCOPE, exchange_pieces, exchange_rows,  # noqa: E402
+                                expert_exchange as expert_exchange_of)
 from dsv4_jax.model.params import NATIVE_QUANT, leaf_dtype, map_spec, param_spec  # noqa: E402
 from dsv4_jax.model.presets import PRESETS, preset  # noqa: E402
 from dsv4_jax.model.quantized import QuantizedWeight, storage_shapes  # noqa: E402
@@ -599,7 +600,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                     if f"/{ROUTED_SCOPE}/" in line and weights:
                         out[1] -= weights * unchosen_bytes
                         if routed_flop_share is not None:
-                            m, n = _dims(line.split(" custom-call(")[0].split(" = ", 1)[1])
+                            # (an output in pieces `[m, P, n/P]`: its rows whole)
+                            m, *pieces = _dims(line.split(" custom-call(")[0].split(" = ", 1)[1])
+                            n = math.prod(pieces)
                             out[0] -= flops * (1.0 - routed_flop_share(m, n))
                 else:
                     out[1] += _shape_bytes(line.split("custom_call_target=")[0])
@@ -720,20 +723,24 @@ def routed_flop_share(s: Setup, tokens: int, platform: str):
     chosen = local * chosen_share(cfg, G)
     # each call's contracted width K, by its output width N: w1 and w3 [.., N, K], w2 [.., K, N]
     widths = {}
+    exchanged = expert_exchange_of(cfg, s.mesh) == "ragged_all_to_all"
     for name in ("w1", "w2"):
         w = s.params["layers"]["ffn"][name]
         values = w.values if isinstance(w, QuantizedWeight) else w
         n, kv = values.sharding.shard_shape(values.shape)[-2:]
         fmt = w.fmt if isinstance(w, QuantizedWeight) else None
-        # (x reaches the kernel in the weight's compute dtype: moe._expert_rows)
-        # (w1 and w3 are one call, `grouped_swiglu`, whose tiles hold both weights')
+        # (x reaches the kernel in the weight's compute dtype: moe._expert_rows; w1 and w3 are one
+        # call, `grouped_swiglu`, whose tiles hold both weights'; w2's output goes back through the
+        # ragged exchange in its pieces)
+        pieces = exchange_pieces(n, w.dtype) if name == "w2" and exchanged else 1
         widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize,
-                     2 if name == "w1" else 1)
+                     2 if name == "w1" else 1, pieces)
 
     def share(m: int, n: int) -> float:
-        k_in, fmt, x_itemsize, w_itemsize, weights = widths[n]
+        k_in, fmt, x_itemsize, w_itemsize, weights, pieces = widths[n]
         if platform == "tpu":
-            tm = grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, weights)[0]
+            tm = (grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, weights)[0] if weights > 1
+                  else grouped_matmul_tpu.output_tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, pieces)[0])
             declared = grouped_matmul_tpu.max_steps(-(-m // tm), m, local)
             steps = chosen + sum(_above(*received, b * tm) for b in range(1, -(-m // tm)))
         else:
