@@ -122,23 +122,32 @@ def _token_sums(y: jnp.ndarray, order: jnp.ndarray, pairs: tuple[int, int]) -> j
     """The outputs y `[T k, D]` (or in pieces `[T k, P, D/P]`) of the (token, slot) pairs of
     pairs = (T, k), y's row i being flattened pair order[i], summed per token in fp32: `[T, D]`.
 
-    On CUDA, and for rows in pieces, a gather of each token's k rows summed slot by slot, which
-    XLA fuses with what the caller adds to the sum and its rounding (a scatter-add writes an
-    fp32 `[T, D]` that the caller's fusion reads back; in pieces it also converts the rows to
-    fp32 apart). Elsewhere a scatter-add of the rows into the tokens: on TPU the gathers of
-    whole rows make XLA copy y into its fast memory first, more bytes than the scatter moves
-    (dsv4-plan on tpu7x-8)."""
+    On CUDA a gather of each token's k rows summed slot by slot, which XLA fuses with what the
+    caller adds to the sum and its rounding (a scatter-add writes an fp32 `[T, D]` that the
+    caller's fusion reads back). Elsewhere a scatter-add of the rows into the tokens: on TPU
+    the gathers make XLA copy y into its fast memory first, more bytes than the scatter moves
+    (dsv4-plan on tpu7x-8). In pieces (the ragged exchange's rows), on every platform, one
+    gather of a row per slot added to the running sum, which XLA fuses into one pass (where a
+    scatter-add into the pieces, or one gather of every slot, had it convert the rows to fp32
+    in a pass of their own), and the sums re-laid out as `[T, D]` after."""
     T, k = pairs
 
+    def slot_rows(order):  # `[T, k]`: the row of y holding each token's pair of each slot
+        return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(T, k)
+
+    if y.ndim == 3:
+        rows = slot_rows(order)
+        total = y[rows[:, 0]].astype(jnp.float32)
+        for slot in range(1, k):
+            total = total + y[rows[:, slot]].astype(jnp.float32)
+        return total.reshape(T, -1)
+
     def gathered(y, order):
-        row_of = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        return jnp.sum(y[row_of.reshape(T, k)].astype(jnp.float32), axis=1)
+        return jnp.sum(y[slot_rows(order)].astype(jnp.float32), axis=1)
 
     def scattered(y, order):
         return jnp.zeros((T, y.shape[1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
 
-    if y.ndim == 3:  # (the sums `[T, P, D/P]` re-laid out after, not the pairs' k times more rows)
-        return gathered(y, order).reshape(T, -1)
     return jax.lax.platform_dependent(y, order, cuda=gathered, default=scattered)
 
 
