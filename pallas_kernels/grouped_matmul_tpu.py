@@ -1,5 +1,8 @@
 """Rows grouped by expert times each group's expert weight: the Mosaic TPU kernel (also run by
-the Pallas interpreter on CPU), in the manner of a megablox grouped matmul.
+the Pallas interpreter on CPU), in the manner of a megablox grouped matmul; its forms for the
+routed experts' first half (`grouped_swiglu_tpu`: two weights and their activation), for a
+block-diagonal weight (`block_diagonal_matmul_tpu`), and for rows in pieces (x `[M, P, K/P]`,
+the output `[M, P, N/P]`: the ragged exchange's layout on TPU, `grouped_matmul_tpu`).
 
 x `[M, K]` holds the rows sorted by expert (group g's rows contiguous, groups in order), and
 `group_sizes` `[E]` says how many rows each expert has. The weights stay as stored
