@@ -193,9 +193,8 @@ def test_cost_counts_kernels_by_their_declared_cost(target):
     """A Pallas kernel counts as its declared pl.CostEstimate (TPU: from its backend config; GPU:
     from its op_name, where jax's lowering drops it); the routed experts' grouped kernels (under
     moe.ROUTED_SCOPE) have `unchosen_bytes` taken off once per expert weight they read (the
-    fused first half: two) and their flops scaled
-    by `routed_flop_share` of their output's shape, a grouped matmul outside the scope (wo_a)
-    not."""
+    fused first half: two) and their flops scaled by `routed_flop_share` of their output's shape
+    and the weights they read, a grouped matmul outside the scope (wo_a) not."""
     import jax
     import jax.numpy as jnp
 
@@ -219,11 +218,12 @@ def test_cost_counts_kernels_by_their_declared_cost(target):
     full = plan.program_cost(compiled.as_text(), 0, None, platform)
     shapes = []
     less = plan.program_cost(compiled.as_text(), 0, None, platform, unchosen_bytes=1e5,
-                             routed_flop_share=lambda m, n: shapes.append((m, n)) or 0.25)
+                             routed_flop_share=lambda m, n, w: shapes.append((m, n, w)) or 0.25)
     assert full["bytes_accessed"] >= sum(declared) and full["flops"] >= sum(flops) > 0
     assert full["bytes_accessed"] - less["bytes_accessed"] == pytest.approx(3e5)
     routed_flops = sum(fl for fl, (_, routed) in zip(flops, calls) if routed)
-    assert shapes == [(64, 256)] * (len(calls) - 1) and full["flops"] - less["flops"] == pytest.approx(0.75 * routed_flops)
+    assert sorted(shapes) == [(64, 256, 1), (64, 256, 2)] and full["flops"] - less["flops"] == pytest.approx(
+        0.75 * routed_flops)
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h200x8"])
@@ -269,7 +269,7 @@ def test_routed_flop_share_is_what_the_kernel_computes(tmp_path, target):
             # each device's receive buffer: its experts' rows, by expert
             draws.append(np.bincount(chosen.ravel(), minlength=cfg.n_routed_experts).reshape(devices, local))
         steps = np.asarray(jax.vmap(computing)(np.concatenate(draws).astype(np.int32)))
-        share = plan.routed_flop_share(s, tokens, platform)(m, n)
+        share = plan.routed_flop_share(s, tokens, platform)(m, n, 2)
         assert share < 1 and share == pytest.approx(steps.mean() / declared, rel=0.05), (tokens, tm, steps.mean())
 
 

@@ -286,8 +286,8 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ATTENTION_KERNEL = "dsv4_sparse_attention"
-# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's);
-# the first name a kernel's line holds counts
+# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's;
+# names are matched in a kernel's line in this order: the fused kernels' first)
 GROUPED_KERNELS = {grouped_matmul_tpu.SWIGLU_NAME: 2, grouped_matmul_gpu.SWIGLU_NAME: 2, grouped_matmul_tpu.NAME: 1}
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
 # the kernels whose declared flops are FP8 products
@@ -572,8 +572,9 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
     those no row chooses of one expert weight (`unchosen_expert_bytes`), comes off each such call
     once per weight it reads (`GROUPED_KERNELS`). They also declare the flops of every step
     their grid could compute, over every row of their buffer, while they compute only the steps
-    of the rows that arrive: `routed_flop_share(m, n)`, the caller's expectation of that share
-    for a call with output `[m, n]` (`routed_flop_share`), scales each such call's flops (None:
+    of the rows that arrive: `routed_flop_share(m, n, weights)`, the caller's expectation of that
+    share for a call with output `[m, n]` reading `weights` expert weights (`routed_flop_share`),
+    scales each such call's flops (None:
     as declared). On GPU an in-place
     scatter fusion (the cache writes) counts its updates, not its whole operand
     (`_scatter_overcount`), and a fusion that gathers rows out of a parameter those rows, not the
@@ -603,7 +604,7 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                             # (an output in pieces `[m, P, n/P]`: its rows whole)
                             m, *pieces = _dims(line.split(" custom-call(")[0].split(" = ", 1)[1])
                             n = math.prod(pieces)
-                            out[0] -= flops * (1.0 - routed_flop_share(m, n))
+                            out[0] -= flops * (1.0 - routed_flop_share(m, n, weights))
                 else:
                     out[1] += _shape_bytes(line.split("custom_call_target=")[0])
                 continue
@@ -698,8 +699,9 @@ def _above(mean: float, var: float, x: float) -> float:
 
 
 def routed_flop_share(s: Setup, tokens: int, platform: str):
-    """(m, n) -> the share of the declared flops of a routed-experts grouped-matmul call with
-    output `[m, n]` that its computing steps are expected to run, under uniform routing. The
+    """(m, n, weights) -> the share of the declared flops of a routed-experts grouped-matmul call
+    with output `[m, n]` reading `weights` expert weights (2: the fused first half, 1: w2) that
+    its computing steps are expected to run, under uniform routing. The
     kernel declares a product of TM rows for every step its grid holds: a row tile of its M rows
     each, plus one for each of the min(E, M) groups that could start inside a tile
     (`grouped_matmul_tpu.max_steps`, `grouped_matmul_gpu.max_steps`), TM its own choice for the
@@ -721,7 +723,8 @@ def routed_flop_share(s: Setup, tokens: int, platform: str):
     received = (G * k * p, G * k * p * (1 - p) * (E - k) / max(E - 1, 1))
     one = (G * k / E, G * (k / E) * (1 - k / E))
     chosen = local * chosen_share(cfg, G)
-    # each call's contracted width K, by its output width N: w1 and w3 [.., N, K], w2 [.., K, N]
+    # each call's contracted width K, by the expert weights it reads: the first half's two (w1 and
+    # w3 [.., N, K], `grouped_swiglu`, whose tiles hold both), w2's one ([.., K, N])
     widths = {}
     exchanged = expert_exchange_of(cfg, s.mesh) == "ragged_all_to_all"
     for name in ("w1", "w2"):
@@ -729,15 +732,14 @@ def routed_flop_share(s: Setup, tokens: int, platform: str):
         values = w.values if isinstance(w, QuantizedWeight) else w
         n, kv = values.sharding.shard_shape(values.shape)[-2:]
         fmt = w.fmt if isinstance(w, QuantizedWeight) else None
-        # (x reaches the kernel in the weight's compute dtype: moe._expert_rows; w1 and w3 are one
-        # call, `grouped_swiglu`, whose tiles hold both weights'; w2's output goes back through the
-        # ragged exchange in its pieces)
+        # (x reaches the kernel in the weight's compute dtype: moe._expert_rows; w2's output goes
+        # back through the ragged exchange in its pieces)
         pieces = exchange_pieces(n, w.dtype) if name == "w2" and exchanged else 1
-        widths[n] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize, values.dtype.itemsize,
-                     2 if name == "w1" else 1, pieces)
+        widths[2 if name == "w1" else 1] = (2 * kv if fmt == "fp4" else kv, fmt, jnp.dtype(w.dtype).itemsize,
+                                            values.dtype.itemsize, pieces)
 
-    def share(m: int, n: int) -> float:
-        k_in, fmt, x_itemsize, w_itemsize, weights, pieces = widths[n]
+    def share(m: int, n: int, weights: int) -> float:
+        k_in, fmt, x_itemsize, w_itemsize, pieces = widths[weights]
         if platform == "tpu":
             tm = (grouped_matmul_tpu.tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, weights)[0] if weights > 1
                   else grouped_matmul_tpu.output_tiles(m, n, k_in, local, fmt, x_itemsize, w_itemsize, pieces)[0])
