@@ -236,11 +236,11 @@ def kernel_calls(compiled, platform: str) -> list[str]:
         call = re.search(r'custom_call_target="([^"]+)"', line)
         if call and call.group(1) in targets:
             op = re.search(r'op_name="([^"]*)"', line)
-            names.append(_kernel_name(op.group(1)) if op else "?")
+            names.append(kernel_name(op.group(1)) if op else "?")
     return names
 
 
-def _kernel_name(op_name: str) -> str:
+def kernel_name(op_name: str) -> str:
     """The kernel's name in an op_name such as "jit(f)/cond/branch_0_fun/dsv4_compress/pallas_call"."""
     parts = op_name.split("/")
     return parts[-2] if len(parts) > 1 else parts[-1]

@@ -281,14 +281,17 @@ _NAME = re.compile(r"%([\w.\-]+)")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*)$")
 _INT_CONSTANT = re.compile(r"s32\[\]\S* constant\((\d+)\)")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _DECLARED = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ATTENTION_KERNEL = "dsv4_sparse_attention"
-# the routed experts' kernels, with the expert weights a call reads (`unchosen_bytes` is one's;
-# names are matched in a kernel's line in this order: the fused kernels' first)
-GROUPED_KERNELS = {grouped_matmul_tpu.SWIGLU_NAME: 2, grouped_matmul_gpu.SWIGLU_NAME: 2, grouped_matmul_tpu.NAME: 1}
+# the routed experts' kernels by name (their op_name's, `aot.kernel_name`: a kernel's line also
+# names its operands, another kernel's output among them), with the expert weights a call reads
+# (`unchosen_bytes` is one's)
+GROUPED_KERNELS = {grouped_matmul_tpu.NAME: 1, grouped_matmul_gpu.NAME: 1, grouped_matmul_tpu.SWIGLU_NAME: 2,
+                   grouped_matmul_gpu.SWIGLU_NAME: 2}
 KERNEL_CALLS = sum(aot.KERNEL_CUSTOM_CALLS.values(), ())
 # the kernels whose declared flops are FP8 products
 FP8_KERNELS = (fp8_activations_gpu.KERNEL_NAME, fp8_activations_tpu.KERNEL_NAME)
@@ -597,7 +600,8 @@ def program_cost(text: str, dynamic_trips: float, layer_weights: dict | None = N
                 if declared:
                     flops = float(declared.group(1))
                     out += [flops, float(declared.group(2)), 0.0, flops if any(k in line for k in FP8_KERNELS) else 0.0]
-                    weights = next((n for name, n in GROUPED_KERNELS.items() if name in line), 0)
+                    op_name = _OP_NAME.search(line)
+                    weights = GROUPED_KERNELS.get(aot.kernel_name(op_name.group(1)) if op_name else "", 0)
                     if f"/{ROUTED_SCOPE}/" in line and weights:
                         out[1] -= weights * unchosen_bytes
                         if routed_flop_share is not None:
