@@ -39,12 +39,12 @@ def swiglu(h1, h3, limit: float):
     return jax.nn.silu(h1) * h3
 
 
-def grouped_swiglu_ref(x, w1, w3, group_sizes, hw, *, limit: float, layer=None, matmul=grouped_matmul_ref):
-    """`swiglu(matmul(x, w1), matmul(x, w3), limit) * hw` rounded to x's dtype: x `[M, K]` (rows
-    sorted by group), w1 and w3 `[E, N, K]` (or stacks `[L, E, N, K]` with `layer`) as
-    `grouped_matmul_ref` takes them, hw fp32 `[M]` the rows' routing weights -> `[M, N]`, rows past
-    sum(group_sizes) zero (their hw, which may be unset, is not used). `matmul`: the grouped
-    product (`grouped_matmul_ref`, or a kernel of the same contract)."""
-    h = swiglu(matmul(x, w1, group_sizes, layer=layer), matmul(x, w3, group_sizes, layer=layer), limit)
+def grouped_swiglu_ref(x, w1, w3, group_sizes, hw, *, limit: float, layer=None):
+    """`swiglu(grouped_matmul_ref(x, w1), grouped_matmul_ref(x, w3), limit) * hw` rounded to x's
+    dtype: x `[M, K]` (rows sorted by group), w1 and w3 `[E, N, K]` (or stacks `[L, E, N, K]` with
+    `layer`) as `grouped_matmul_ref` takes them, hw fp32 `[M]` the rows' routing weights -> `[M,
+    N]`, rows past sum(group_sizes) zero (their hw, which may be unset, is not used)."""
+    h = swiglu(grouped_matmul_ref(x, w1, group_sizes, layer=layer), grouped_matmul_ref(x, w3, group_sizes, layer=layer),
+               limit)
     grouped = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(grouped[:, None], h * hw[:, None], 0.0).astype(x.dtype)

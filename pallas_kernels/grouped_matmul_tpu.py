@@ -352,6 +352,11 @@ def _kernel(group_ref, tile_ref, x_tile_ref, offsets_ref, live_ref, layer_ref, x
         o_ref[...] = jnp.zeros_like(o_ref)
 
 
+def _check_block(tm: int, tn: int) -> None:
+    if tm % ROWS or tn % LANES:
+        raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
+
+
 def in_pieces(width: int, pieces: int, fmt: str | None = None) -> bool:
     """Whether rows of `width` values kept in `pieces` pieces `[pieces, width / pieces]` (see
     `grouped_matmul_tpu`) are read or written as they are: more than one piece, each of whole
@@ -407,8 +412,7 @@ def grouped_matmul_tpu(x, values, group_sizes, *, fmt: str | None = None, scale=
         (tm, tn), pieces = block_shape, in_pieces(n, out_pieces) and block_shape[1] == n
     else:
         tm, tn, pieces = output_tiles(m, n, k, e, fmt, x.dtype.itemsize, values.dtype.itemsize, out_pieces)
-    if tm % ROWS or tn % LANES:
-        raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
+    _check_block(tm, tn)
     m_tiles = pl.cdiv(m, tm)
     out = _call(_x_operand(x, k, fmt, m_tiles * tm), [(values, scale)], group_sizes, m_tiles, tm, tn, fmt=fmt,
                 layer=layer, k=k, n=n, chosen=min(e, m), interpret=interpret,
@@ -436,8 +440,7 @@ def grouped_swiglu_tpu(x, w1, w3, group_sizes, hw, *, fmt: str | None = None, li
         raise ValueError(f"grouped_swiglu_tpu: w1 {list(v1.shape)} and w3 {list(v3.shape)} must match (and their "
                          f"scales), hw {tuple(hw.shape)} must be [M] for x {tuple(x.shape)}")
     tm, tn = block_shape or tiles(m, n, k, e, fmt, x.dtype.itemsize, v1.dtype.itemsize, weights=2)
-    if tm % ROWS or tn % LANES:
-        raise ValueError(f"TM must be a multiple of {ROWS} and TN of {LANES}, got {tm}, {tn}")
+    _check_block(tm, tn)
     m_tiles = pl.cdiv(m, tm)
     x = _x_operand(x, k, fmt, m_tiles * tm)
     hw = jnp.pad(hw.astype(jnp.float32), (0, m_tiles * tm - m))[:, None]  # [M, 1]: a column per row tile

@@ -40,7 +40,7 @@ from dsv4_jax.model.quantized import QuantizedWeight
 from pallas_kernels import (block_diagonal_matmul, grouped_matmul, grouped_matmul_ref, grouped_swiglu,
                             grouped_swiglu_ref, swiglu)
 from pallas_kernels import grouped_matmul_gpu as gmg
-from test_grouped_matmul import _check, _rope, _weight  # the TPU kernel's tests' operands and tolerances
+from test_grouped_matmul import _check, _rope, _stored_pair, _weight  # the TPU kernel's tests' operands, tolerances
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 S = jax.ShapeDtypeStruct
@@ -126,10 +126,8 @@ def _routing(m, sizes, seed):
 
 
 def _fused(x, w1, w3, sizes, hw, limit, layer=None):
-    return gmg.grouped_swiglu_gpu(x, (w1.values, w1.scale) if hasattr(w1, "fmt") else (w1, None),
-                                  (w3.values, w3.scale) if hasattr(w3, "fmt") else (w3, None),
-                                  jnp.asarray(sizes, jnp.int32), hw, fmt=getattr(w1, "fmt", None), limit=limit,
-                                  layer=layer, interpret=True)
+    return gmg.grouped_swiglu_gpu(x, _stored_pair(w1), _stored_pair(w3), jnp.asarray(sizes, jnp.int32), hw,
+                                  fmt=getattr(w1, "fmt", None), limit=limit, layer=layer, interpret=True)
 
 
 FUSED = ["fp4-decode-bf16", "fp4-multitile-fp32", "fp8-padded-fp32", "fp8-one-group-bf16", "bf16-padded",

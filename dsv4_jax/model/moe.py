@@ -193,9 +193,8 @@ def exchange_pieces(width: int, dtype) -> int:
     on TPU XLA moves a 16-bit row as two pieces (the two sublanes of (2, 128) tiles, so that each
     row is contiguous) and re-lays out any other shape before and after the collective, while
     the experts' kernels read and write the rows in pieces in place. 2 for 16-bit rows whose
-    halves are whole lanes, else 1."""
-    pieces = 2 if jnp.dtype(dtype).itemsize == 2 else 1
-    return pieces if width % (pieces * 128) == 0 else 1
+    halves the kernels take as they are (`grouped_matmul_tpu.in_pieces`), else 1."""
+    return 2 if jnp.dtype(dtype).itemsize == 2 and pallas_kernels.grouped_matmul_tpu.in_pieces(width, 2) else 1
 
 
 def exchange_rows(tokens: int, k: int, devices: int) -> int:
