@@ -15,12 +15,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 # The suite compiles hundreds of small programs and runs each a few times; LLVM's optimization of
-# XLA:CPU's code is most of that compile time, so the tests (and the CLIs they start) skip it.
-# They trade the CPU code's speed for compile time (every comparison here is between programs
-# compiled alike, or within a stated tolerance). The TPU compiler the AOT tests drive ignores them;
-# XLA's GPU compiler takes them for the Triton kernels' code (their registers change), which is
-# why `dsv4_jax.tools.kernel_report` compiles for GPU with XLA's defaults stated.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+# XLA:CPU's code is most of that compile time, so the tests (and the CLIs they start) skip it, and
+# they have XLA:CPU emit its fusions with its older elemental emitter, which compiles the tests'
+# programs in about half the time of the default MLIR fusion emitters (docs/speed.md, "The test
+# suite's compile time"). They trade the CPU code's speed for compile time (every comparison here
+# is between programs compiled alike, or within a stated tolerance). The TPU compiler the AOT
+# tests drive ignores them; XLA's GPU compiler takes the first two for the Triton kernels' code
+# (their registers change), which is why `dsv4_jax.tools.kernel_report` compiles for GPU with
+# XLA's defaults stated.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+              "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _flag
 

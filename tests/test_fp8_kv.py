@@ -5,9 +5,10 @@ entry or K=V row at head_dim 512, the indexer's keys records without a RoPE part
 (tests/test_kv_record.py) within fp32 rounding; the engine serves from them, a request's tokens
 the same in a batch as alone.
 
-fp32 model, fp32 comparisons: the records hold the same values whichever code builds them, so
-the logits agree to fp32 rounding (asserted 1e-6 on logits of about 2); rounding entries to FP8
-moves the logits by far more (asserted > 1e-3), which shows the records are read."""
+fp32 model, fp32 comparisons: the model's records are the numpy model's records of the values it
+encodes, byte for byte, so the logits agree to fp32 rounding (median within 1e-6 on logits of
+about 2) but where a last-bit difference upstream rounds a code the other way; rounding entries
+to FP8 moves the logits by far more (median above 1e-2), which shows the records are read."""
 
 from __future__ import annotations
 
@@ -89,28 +90,54 @@ def _run(params, kv_cache_dtype: str, ids, follow, cfg=CFG):
     return np.concatenate(seen), cache
 
 
+def _encoded(monkeypatch) -> list:
+    """kv_record.encode (XLA's) also handing each call's values and records to the host: returns
+    the list the (values, records) pairs go to."""
+    encode, pairs = kv_record.encode, []
+
+    def recorded(x, rope_dim):
+        rec = encode(x, rope_dim)
+        jax.debug.callback(lambda a, r: pairs.append((np.asarray(a), np.asarray(r), rope_dim)), x, rec)
+        return rec
+
+    monkeypatch.setattr(kv_record, "encode", recorded)
+    return pairs
+
+
 def test_logits_equal_the_numpy_record_model(monkeypatch):
-    """The pools' entries and keys and the rings' K=V rows rounded, encoded and decoded by the numpy model
-    instead (fp32 logits of about 2 agree within 1e-6); the records written are its records."""
+    """Every record the model writes is the numpy model's record of the values it encodes, byte
+    for byte, and the logits are those of the model whose records the numpy model encodes and
+    decodes, to fp32 rounding for the most part. Not all of them: the two are different programs,
+    and a last-bit difference upstream (XLA:CPU may fuse a compressor's sums into the encode in
+    one and not the other) can round a code the other way, which every later position reads.
+    Measured here with the tests' XLA flags (tests/conftest.py): median |Δ| 1.8e-7 of logits of
+    about 2, 82 % of them within 1e-6, 5 of 1,536 records flipped; against bf16-valued entries
+    (kv_cache_dtype "auto") the median is 0.056 and none is within 1e-6."""
     params = dsv4_jax.init_params(CFG, seed=5, std=0.1)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CFG.vocab_size, (2, 300)).astype(np.int32)
     follow = rng.integers(0, CFG.vocab_size, (8, 2)).astype(np.int32)
-    got, cache = _run(params, "fp8", ids, follow)
+    with monkeypatch.context() as m:
+        pairs = _encoded(m)
+        got, cache = _run(params, "fp8", ids, follow)
+    assert {rope for _, _, rope in pairs} == {CFG.rope_head_dim, 0}  # K=V rows and entries, indexer keys
+    for values, records, rope in pairs:
+        np.testing.assert_array_equal(records, numpy_encode(values.astype(np.float32), rope))
     auto, _ = _run(params, "auto", ids, follow)
     with monkeypatch.context() as m:
         _numpy_records(m)
-        want, numpy_cache = _run(params, "fp8", ids, follow)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert np.abs(got - auto).max() > 1e-3
+        want, _ = _run(params, "fp8", ids, follow)
+    d, rounded = np.abs(got - want), np.abs(got - auto)
+    assert np.median(d) < 1e-6 and np.mean(d <= 1e-6) > 0.7, (np.median(d), np.mean(d <= 1e-6))
+    assert np.median(rounded) > 1e-2  # the records are what the model reads
     kv, keys = (CFG.head_dim, CFG.rope_head_dim), (CFG.index_head_dim, 0)
     for kind, stack, dims in (("window", "ring", kv), ("csa", "ring", kv), ("hca", "ring", kv), ("csa", "pool", kv),
                               ("hca", "pool", kv), ("indexer", "pool", keys)):
-        # the rings and pools written are the numpy model's records, byte for byte
+        # the words the cache holds are records' bytes in order: the last record it holds, decoded by numpy
         words = np.asarray(cache[kind][stack])
-        np.testing.assert_array_equal(words, np.asarray(numpy_cache[kind][stack]))
-        # and its words are its records' bytes in order: the last record it holds, decoded by numpy
         last = words.reshape(-1, words.shape[-1])[np.flatnonzero(words.reshape(-1, words.shape[-1]).any(-1))[-1]]
+        assert any((r.reshape(-1, r.shape[-1]) == last.view(np.uint8)).all(-1).any()
+                   for _, r, _ in pairs if r.shape[-1] == last.nbytes), kind
         entry = numpy_decode(last.view(np.uint8), *dims, np.float32)
         assert np.isfinite(entry).all() and np.abs(entry).max() > 0
 

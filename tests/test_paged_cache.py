@@ -72,15 +72,17 @@ def test_grouped_pool_access_equals_the_plain_one():
 @pytest.mark.parametrize("block_size", [128, 256])
 def test_a_shuffled_block_table_gives_the_same_logits(block_size):
     """Two rows of ragged prompts (long enough to fill ratio-128 entries), prefilled in two chunks,
-    then decoded: pools of the contiguous layout against pools twice as large whose blocks the
-    rows hold in a random order, interleaved."""
+    then decoded: pools twice as large as the rows need, held in the contiguous layout against
+    held in a random order, interleaved. Both caches have the same shapes, so one program runs
+    both, and only the table's values differ."""
     params = dsv4_jax.init_params(CFG, seed=3, std=0.1)
     B, max_len = 2, 600
     nb = blocks_per_row(max_len, block_size)
-    plain = init_cache(CFG, B, max_len, jnp.float32, block_size=block_size)
+    assert init_cache(CFG, B, max_len, jnp.float32, block_size=block_size)["csa"]["pool"].shape[1] == B * nb
+    plain = init_cache(CFG, B, max_len, jnp.float32, block_size=block_size, num_blocks=2 * B * nb + 1)
     assert plain["blocks"].tolist() == np.arange(B * nb).reshape(B, nb).tolist()
-    paged = init_cache(CFG, B, max_len, jnp.float32, block_size=block_size, num_blocks=2 * B * nb + 1)
-    assert paged["csa"]["pool"].shape[1:3] == (2 * B * nb + 1, block_size // 4)
+    assert plain["csa"]["pool"].shape[1:3] == (2 * B * nb + 1, block_size // 4)
+    paged = dict(plain)
     paged["blocks"] = jnp.asarray(np.random.default_rng(1).permutation(2 * B * nb + 1)[:B * nb].reshape(B, nb),
                                   jnp.int32)
     rng = np.random.default_rng(2)
