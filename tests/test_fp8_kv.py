@@ -2,8 +2,8 @@
 pools and every window ring hold DeepSeek's records (pallas_kernels/kv_record.py), 584 bytes an
 entry or K=V row at head_dim 512, the indexer's keys records without a RoPE part; the model's logits equal those of the same model whose records
 (and the values its K=V rows are rounded to) are made by the numpy model of the record
-(tests/test_kv_record.py) within fp32 rounding; the engine serves from them, a request's tokens
-the same in a batch as alone.
+(tests/test_kv_record.py) to fp32 rounding for the most part (below); the engine serves from
+them, a request's tokens the same in a batch as alone.
 
 fp32 model, fp32 comparisons: the model's records are the numpy model's records of the values it
 encodes, byte for byte, so the logits agree to fp32 rounding (median within 1e-6 on logits of
