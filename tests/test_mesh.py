@@ -153,7 +153,8 @@ def test_decode_step_gathers_no_expert_weights(native):
 def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     """The serving engine on data=2 x expert=4 (dp_attention): its 8 slots split over the devices
     by sequence (each device holds one slot's cache row), requests joining while others decode:
-    each request's greedy tokens equal one device's, also when served again from its cached prefix."""
+    each request's greedy tokens equal one device's, also when served again from its cached prefix,
+    and a third time from the snapshot of its state that the second time saved."""
     from dsv4_jax.runtime.engine import Engine
 
     prompts, want = greedy_alone
@@ -178,6 +179,13 @@ def test_engine_on_a_mesh_equals_one_device(native, greedy_alone):
     eng.run_until_idle()
     assert [r.tokens for r in again] == want[::-1]
     assert eng.counters["prefix_cache_hits"] - hits == 128
+    # That hit ran the span in a chunk ending at 128 and saved the row's state there, in its
+    # device's share of the snapshots (2 a device); a third time the prompt starts from it.
+    assert set(_shard_rows(eng.state.snapshots["cache"]["pos"], 0).values()) == {2}
+    assert eng.counters["prefix_cache_snapshot_hits"] == 0
+    third = [eng.submit(p, 12) for p in prompts]
+    eng.run_until_idle()
+    assert [r.tokens for r in third] == want and eng.counters["prefix_cache_snapshot_hits"] == 1
 
 
 def test_bad_meshes_and_layouts(native):

@@ -225,7 +225,7 @@ def test_too_little_cache_memory_is_refused(model):
 
 def test_default_cache_memory_is_what_the_device_has_free(model, monkeypatch):
     """Without kv_cache_memory the pools take 90 % of the device's free memory less the slots'
-    rings and states (read off the allocated state here); a device reporting no memory (this
+    rings and states and the snapshots (read off the allocated state here); a device reporting no memory (this
     CPU) gets one max_len sequence per slot; too little free memory is the kv_cache_memory error."""
     from dsv4_jax.runtime import engine as engine_module
 
@@ -237,6 +237,7 @@ def test_default_cache_memory_is_what_the_device_has_free(model, monkeypatch):
     eng = Engine(model, slots=2, max_len=256)
     rows = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(eng.state.cache)
                if getattr(path[-1], "key", None) != "pool")
+    rows += sum(x.nbytes for x in jax.tree.leaves(eng.state.snapshots))  # prefix caching's: 2 a slot
     assert eng.num_blocks == (int(free * 0.9) - rows) // per > 2 * 2
     monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: per)
     with pytest.raises(ValueError, match="kv_cache_memory .* holds 0 blocks"):

@@ -1,12 +1,15 @@
 """Prefix caching (dsv4_jax/runtime/blocks.py, engine.py; the shared blocks in dsv4_jax/model/cache.py):
 a row restarted inside a cached prefix, `recompute_span` tokens before the reuse point, gives the
-logits of a run from position 0, and fewer tokens do not; the engine with the cache gives every
-request the tokens it gets without it, with and without speculation; the pool's keys, holds and
-least-recently-used eviction; the n choices of a request forked from one prefill.
+logits of a run from position 0, and fewer tokens do not; a row started from a snapshot (the
+state saved where a chunk ended on a block's end) gives them exactly; the engine with the cache
+gives every request the tokens it gets without it, with and without speculation, with snapshots
+and with the span recomputed; the pool's and the snapshots' keys, holds and least-recently-used
+eviction; the n choices of a request forked from one prefill.
 
 fp32 throughout. A restarted row runs its chunks at other offsets than a run from position 0, so
 its logits equal those within fp32 rounding (observed about 2e-6 on logits of about 2; asserted
-1e-5), and greedy tokens are identical."""
+1e-5), and greedy tokens are identical. A snapshot saved on the chunk boundaries a run from
+position 0 has gives that run's prefill values bit for bit."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import dsv4_jax  # noqa: E402
 import hf_oracle as H  # noqa: E402
 from dsv4_jax.model.cache import init_cache, layers_to_run, recompute_span  # noqa: E402
 from dsv4_jax.model.deepseek_v4 import step  # noqa: E402
-from dsv4_jax.runtime.blocks import BlockPool, chain  # noqa: E402
+from dsv4_jax.runtime.blocks import BlockPool, SnapshotIndex, chain  # noqa: E402
 from dsv4_jax.runtime import decode  # noqa: E402
 from dsv4_jax.runtime.engine import Engine  # noqa: E402
 
@@ -144,6 +147,26 @@ def test_block_pool_keys_holds_and_eviction():
     assert off.cached == 0 and off.lookup(0, keys) == []
 
 
+def test_snapshot_index_keys_pins_and_eviction():
+    """Two shards of two places each: a key is kept once, found in its own shard only, the least
+    recently used (stored or found) evicted first, a pinned place never."""
+    idx = SnapshotIndex(4, shards=2)
+    a, b, c, d = (chain(b"", [i]) for i in range(4))
+    pa, pb = idx.place_for(0, a), idx.place_for(0, b)
+    assert {pa, pb} == {0, 1} and idx.place_for(0, a) is None and len(idx) == 2
+    assert idx.find(1, a) is None and idx.place_for(1, a) in (2, 3)  # shard 1 keeps its own
+    assert idx.find(0, a) == pa  # now b is the least recently used of shard 0
+    assert idx.place_for(0, c) == pb and idx.find(0, b) is None
+    idx.pin(pa)
+    assert idx.place_for(0, d) == pb and idx.find(0, c) is None and idx.find(0, a) == pa  # c evicted, a pinned
+    idx.pin(pb)
+    assert idx.place_for(0, b) is None  # every place pinned: nothing saved
+    idx.unpin(pa)
+    assert idx.place_for(0, b) == pa and idx.find(0, a) is None
+    with pytest.raises(ValueError, match="split"):
+        SnapshotIndex(3, shards=2)
+
+
 # ---- the engine ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -169,11 +192,11 @@ def _requests(seed: int):
     return prefixes, reqs
 
 
-def _serve(model, k: int, caching: bool, prefixes, reqs, chunk: int):
+def _serve(model, k: int, caching: bool, prefixes, reqs, chunk: int, snapshots: int | None = None):
     """Serves one request per prefix first (their blocks cached as they finish), then the 32 at
     once; returns (each of the 32's tokens, the engine)."""
     eng = Engine(model, slots=8, max_len=400, prefill_chunk=chunk, speculative_tokens=k,
-                 enable_prefix_caching=caching)
+                 enable_prefix_caching=caching, prefix_snapshots=snapshots)
     for p in prefixes:
         eng.submit(p + [1, 2, 3], 2)
     eng.run_until_idle()
@@ -188,23 +211,33 @@ def test_cached_prefixes_give_the_tokens_of_no_cache(model, k, chunk, monkeypatc
     """32 concurrent requests over 4 prefixes, each leaving its prefix at another point of the
     window and the compressed blocks: with the prefix cache each request gets the tokens it gets
     without it (greedy and sampled; with k drafts a round from the MTP block, whose state the
-    recomputed span rebuilds too), while most of its prompt comes from the cache. In chunks of 16
-    the span's first chunks run only their lowest layers (`layers_to_run`); in chunks of 64, every
-    chunk reaches past the span's last layer's start."""
+    snapshots keep and the recomputed span rebuilds too), while most of its prompt comes from the
+    cache. With snapshots (the default) every request starts from the state its prefix's first
+    request left at the prefix's last block's end (chunks of 16 and 64 both end there); with none
+    (`prefix_snapshots=0`) the span runs again: in chunks of 16 its first chunks run only their
+    lowest layers (`layers_to_run`); in chunks of 64, every chunk reaches past the span's last
+    layer's start."""
     prefixes, reqs = _requests(k)
     want, off = _serve(model, k, False, prefixes, reqs, chunk)
+    got, snap = _serve(model, k, True, prefixes, reqs, chunk)
+    assert got == want
+    assert snap.counters["prefix_cache_snapshot_hits"] == 32
+    assert snap.counters["prompt_tokens"] == (sum(len(p) + 3 for p in prefixes)
+                                              + sum(len(p) - min(n, len(p) - 1) // 128 * 128
+                                                    for p, _, _ in reqs for n in SHARED if p[:n] in prefixes))
     depths = []
     prefill = decode.prefill
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         depths.append(int(args[-1]))
-        return prefill(*args)
+        return prefill(*args, **kwargs)
 
     monkeypatch.setattr(decode, "prefill", spy)
-    got, eng = _serve(model, k, True, prefixes, reqs, chunk)
+    got, eng = _serve(model, k, True, prefixes, reqs, chunk, snapshots=0)
     assert got == want
     assert (min(depths) < CFG.num_layers) == (chunk == 16)
     c = eng.counters
+    assert "prefix_cache_snapshot_hits" not in c
     assert "prefix_cache_hits" not in off.counters and off.pool.cached == 0
     hits = sum(min(n, len(p) - 1) // 128 * 128 for p, _, _ in reqs for n in SHARED if p[:n] in prefixes)
     assert c["prefix_cache_hits"] >= hits > 0
@@ -213,6 +246,44 @@ def test_cached_prefixes_give_the_tokens_of_no_cache(model, k, chunk, monkeypatc
     span = recompute_span(CFG, 1 if k else 0)
     assert c["prompt_tokens"] <= off.counters["prompt_tokens"] - c["prefix_cache_hits"] + span * (36 - 4) + 36
     assert eng.pool.used == 0 and eng.pool.cached > 0
+
+
+def test_a_rebuilt_reuse_point_is_kept_and_a_snapshot_is_exact(model):
+    """A block filled while decoding is cached with no snapshot at its end (decode steps save
+    none): the first request to reuse it (a follow-up turn: the prompt, the reply, more) runs the
+    span before it in a chunk that ends there, and saves the state there; the next one starts from
+    that snapshot and runs only its own tokens. Both get the tokens and log-probabilities they get
+    without the cache, to fp32 rounding (the span's chunks end elsewhere than a run's from 0). A
+    request reusing a prefix whose first request's chunk ended at the prefix's last block (chunks
+    of 64 from 0) starts from the state saved there: its prefill's log-probabilities are a run's
+    from 0 bit for bit."""
+    rng = np.random.default_rng(7)
+    first, cold = (rng.integers(0, CFG.vocab_size, n).tolist() for n in (100, 300))
+    tails = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (20, 35, 9)]
+
+    def serve(caching: bool):
+        eng = Engine(model, slots=8, max_len=400, prefill_chunk=64, enable_prefix_caching=caching)
+        a = eng.submit(first, 40)
+        eng.run_until_idle()
+        turn = first + a.tokens  # 140 tokens: its first block filled by decode steps
+        out, seen = [], []
+        for prompt in (turn + tails[0], turn + tails[1], cold, cold[:256] + tails[2]):
+            before = eng.counters["prompt_tokens"]
+            out.append(eng.submit(prompt, 8, logprobs=0))
+            eng.run_until_idle()
+            seen.append((eng.counters["prompt_tokens"] - before, eng.counters.get("prefix_cache_snapshot_hits")))
+        return out, seen
+
+    (want, _), (got, seen) = serve(False), serve(True)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    span = recompute_span(CFG)
+    assert seen == [(160 - (128 - span), 0), (175 - 128, 1), (300, 1), (265 - 256, 2)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        diff = [abs(x.logprob - y.logprob) for x, y in zip(g.logprobs, w.logprobs)]
+        assert max(diff) <= TOL, (i, diff)
+    # The first token's, drawn by the prefill, from the snapshot: exact. (The decode steps after it
+    # run every slot, whose other rows hold what each engine left there: fp32 rounding.)
+    assert got[3].logprobs[0].logprob == want[3].logprobs[0].logprob
 
 
 def test_preempted_request_reuses_its_own_blocks(model):

@@ -432,7 +432,8 @@ METRIC_NAMES = ["dsv4:num_requests_running", "dsv4:num_requests_waiting", "dsv4:
                 'dsv4:request_success_total{finished_reason="length"}', "dsv4:time_to_first_token_seconds_count",
                 "dsv4:inter_token_latency_seconds_count", "dsv4:e2e_request_latency_seconds_count",
                 "dsv4:request_queue_time_seconds_count", "dsv4:num_blocks", "dsv4:num_blocks_used",
-                "dsv4:num_preemptions_total", "dsv4:prefix_cache_queries_total", "dsv4:prefix_cache_hits_total"]
+                "dsv4:num_preemptions_total", "dsv4:prefix_cache_queries_total", "dsv4:prefix_cache_hits_total",
+                "dsv4:prefix_cache_snapshot_hits_total"]
 
 
 def test_metrics_names_and_counters(live):
@@ -454,6 +455,7 @@ def test_metrics_names_and_counters(live):
     assert moved["dsv4:prompt_tokens_total"] == 11 and moved["dsv4:generation_tokens_total"] == 7
     # looked up in the prefix cache; none of it found (no full block of 128 tokens before its last)
     assert moved["dsv4:prefix_cache_queries_total"] == 11 and moved["dsv4:prefix_cache_hits_total"] == 0
+    assert moved["dsv4:prefix_cache_snapshot_hits_total"] == 0
     assert moved['dsv4:request_success_total{finished_reason="length"}'] == 1
     assert moved["dsv4:time_to_first_token_seconds_count"] == 1
     assert moved["dsv4:inter_token_latency_seconds_count"] == 6

@@ -64,7 +64,10 @@ A row can also start at a position p > 0 over blocks another row computed (prefi
 table names the shared blocks, `shared` the position they end at, and its rings and compressor
 states hold another sequence's don't-cares. Running the `recompute_span` tokens before `shared`
 again makes every layer's window and compressor state at `shared` what a run from position 0
-gives (the don't-cares reach only outputs that no later position reads).
+gives (the don't-cares reach only outputs that no later position reads). Or the row starts from
+a snapshot: a row's state (`row_state`: everything of it but its table and reuse point) saved
+when it was at that position (`save_rows`) and put back into another row (`restore_rows`), the
+position addressing of the rings making it valid in any row.
 """
 
 from __future__ import annotations
@@ -262,6 +265,45 @@ def fork_rows(cache: dict, src: jnp.ndarray, dst: jnp.ndarray, src_block: jnp.nd
         return a.at[dst].set(a[src], mode="drop") if axis == 0 else a.at[:, dst].set(a[:, src], mode="drop")
 
     return jax.tree_util.tree_map_with_path(copy, cache)
+
+
+def row_state(cache: dict) -> dict:
+    """A cache's rows' state apart from their blocks: the cache less its pools, block table and
+    reuse points (what `save_rows` keeps of a row: its position, fold point, rings and
+    compressor states)."""
+    out = {}
+    for k, v in cache.items():
+        if isinstance(v, dict):
+            out[k] = {name: a for name, a in v.items() if name != "pool"}
+        elif k not in ("blocks", "shared"):
+            out[k] = v
+    return out
+
+
+def save_rows(saved: dict, at: jnp.ndarray, sub: dict) -> dict:
+    """saved (a `row_state` tree of S rows) with row i of the cache `sub` stored as its row at[i]
+    (int `[R]`; S or more: padding, nothing stored)."""
+    def store(path, a, b):
+        return a.at[at].set(b, mode="drop") if row_axis(path) == 0 else a.at[:, at].set(b, mode="drop")
+
+    return jax.tree_util.tree_map_with_path(store, saved, row_state(sub))
+
+
+def restore_rows(sub: dict, at: jnp.ndarray, saved: dict) -> dict:
+    """The cache sub with the state of each row i whose at[i] (int `[R]`) is not negative replaced
+    by row at[i] of saved (`save_rows`): its position, fold point, rings and compressor states; its
+    table and reuse point stay its own."""
+    use = at >= 0
+
+    def load(path, b, a):
+        axis = row_axis(path)
+        got = jnp.take(a, jnp.maximum(at, 0), axis=axis)
+        return jnp.where(use.reshape((1,) * axis + use.shape + (1,) * (b.ndim - axis - 1)), got, b)
+
+    out = dict(sub)
+    for k, v in jax.tree_util.tree_map_with_path(load, row_state(sub), saved).items():
+        out[k] = {**sub[k], **v} if isinstance(v, dict) else v  # a kind's pool stays
+    return out
 
 
 def _by_group(pools: jnp.ndarray, blocks: jnp.ndarray, groups: int):

@@ -125,3 +125,54 @@ class BlockPool:
     def cached(self) -> int:
         """Blocks holding a cached prefix (held or not)."""
         return len(self._key)
+
+
+class SnapshotIndex:
+    """Where the engine keeps the row states it saved for prefix caching (decode.DecodeState's
+    `snapshots`, `size` of them, a multiple of `shards`): each known by the key of the block it
+    ends with (`chain`: the state after those tokens), in the same shard ranges as the rows. A
+    new one takes a free place, else the least recently used one's; one a request is about to
+    start from is pinned until it has."""
+
+    def __init__(self, size: int, shards: int = 1):
+        if size % shards:
+            raise ValueError(f"{size} snapshots must split into {shards} shards")
+        per = size // shards
+        self._free = [list(range((s + 1) * per - 1, s * per - 1, -1)) for s in range(shards)]
+        self._by_key = [collections.OrderedDict() for _ in range(shards)]  # key -> place, least recent first
+        self._pinned: collections.Counter = collections.Counter()
+
+    def find(self, shard: int, key: bytes) -> int | None:
+        """The place of the state saved at the end of the block keyed `key`, now most recently
+        used; None if there is none."""
+        at = self._by_key[shard].get(key)
+        if at is not None:
+            self._by_key[shard].move_to_end(key)
+        return at
+
+    def place_for(self, shard: int, key: bytes) -> int | None:
+        """Where to save the state at the end of the block keyed `key`: a free place or the least
+        recently used unpinned one's (forgotten); None when it is kept already or every place is
+        pinned."""
+        known = self._by_key[shard]
+        if key in known:
+            known.move_to_end(key)
+            return None
+        if self._free[shard]:
+            at = self._free[shard].pop()
+        else:
+            old = next((k for k, a in known.items() if not self._pinned[a]), None)
+            if old is None:
+                return None
+            at = known.pop(old)
+        known[key] = at
+        return at
+
+    def pin(self, at: int) -> None:
+        self._pinned[at] += 1
+
+    def unpin(self, at: int) -> None:
+        self._pinned[at] -= 1
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_key))

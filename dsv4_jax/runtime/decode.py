@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.model.cache import fork_rows, put_rows, reset_rows, take_rows
+from dsv4_jax.model.cache import fork_rows, put_rows, reset_rows, restore_rows, row_state, save_rows, take_rows
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.deepseek_v4 import DeepseekV4, step
 from dsv4_jax.model.mtp import init_mtp_cache
@@ -49,7 +49,10 @@ class DecodeState(NamedTuple):
     penalties (an engine's state), each row's output token counts (`counts` int32 `[R, V]`, of the
     tokens fed back so far) and its prompt's tokens (`prompt` bool `[R, V]`, `set_history`); for
     forks (an engine's state), each row's logits after the last token of its prompt (`logits`
-    fp32 `[R, V]`, set by `prefill` where a prompt ends), which `fork` draws from."""
+    fp32 `[R, V]`, set by `prefill` where a prompt ends), which `fork` draws from; for prefix
+    caching (an engine's state), `snapshots`: S rows' states saved by `prefill` where a chunk
+    ends, for a later row to start from (`{"cache": cache.row_state tree, and with speculation
+    "mtp_cache": the same of the MTP block's, "carry": [S, hc, D]}`)."""
 
     cache: dict
     mtp_cache: dict | None = None
@@ -58,6 +61,7 @@ class DecodeState(NamedTuple):
     counts: jnp.ndarray | None = None
     prompt: jnp.ndarray | None = None
     logits: jnp.ndarray | None = None
+    snapshots: dict | None = None
 
 
 class Drawn(NamedTuple):
@@ -167,12 +171,13 @@ def set_table(state: DecodeState, rows, blocks, shared) -> DecodeState:
 
 def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | None = None, k: int = 0, *,
               block_size: int | None = None, num_blocks: int | None = None, kv_cache_dtype: str = "auto",
-              penalties: bool = False, forks: bool = False) -> DecodeState:
+              penalties: bool = False, forks: bool = False, snapshots: int = 0) -> DecodeState:
     """An empty state of `rows` rows of up to max_len positions on the model's devices (pools of
     `num_blocks` blocks of `block_size` tokens, entries and ring rows as kv_cache_dtype:
     cache.init_cache); with k drafts a round, rings k slots wider and the MTP block's state
     (speculative.py; its ring as kv_cache_dtype too); with
-    penalties, the rows' token counts and prompt tokens; with forks, the rows' prompt logits.
+    penalties, the rows' token counts and prompt tokens; with forks, the rows' prompt logits; with
+    snapshots S > 0, room for S saved row states (a multiple of the mesh's row shards).
     Committed to the devices, as every program's output is, so that the first call compiles the
     program the later ones run."""
     cfg = model.config if cfg is None else cfg
@@ -193,6 +198,16 @@ def new_state(model: DeepseekV4, rows: int, max_len: int, cfg: ModelConfig | Non
     if forks:
         with model.on_mesh():
             state = state._replace(logits=jnp.zeros((rows, cfg.vocab_size), jnp.float32))
+    if snapshots:
+        # The rows' leaves of a cache of S rows (its pools, of S blocks, dropped).
+        saved = {"cache": row_state(model.new_cache(snapshots, max_len, cfg, lookahead=k, block_size=block_size,
+                                                    num_blocks=snapshots, kv_cache_dtype=kv_cache_dtype))}
+        if k:
+            with model.on_mesh():
+                saved.update(mtp_cache=row_state(init_mtp_cache(cfg, snapshots, model.dtype, lookahead=k,
+                                                                kv_cache_dtype=kv_cache_dtype)),
+                             carry=jnp.zeros((snapshots,) + state.carry.shape[1:], model.dtype))
+        state = state._replace(snapshots=saved)
     return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
 
 
@@ -205,7 +220,7 @@ def _rows(state: DecodeState, at) -> DecodeState:
 
 @partial(jax.jit, static_argnums=(9,), donate_argnums=(2,))
 def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sample: Sampling, cfg: ModelConfig,
-            depth=None):
+            depth=None, *, restore=None, keep=None):
     """A chunk ids `[R, T]` (n_valid `[R]` real tokens per row) into the state's rows `rows` (int
     `[R]`, run as one sub-batch; None: every row, in place), the rows with a `start` (int32 `[R]`;
     -1: go on where the row is) restarted at that position first: 0 for a new prompt, or a
@@ -214,17 +229,26 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
     `ends` here (bool `[R]`) gets its first pending row: the hidden streams at its last prompt
     position and the token sampled after it. A state with `logits` keeps those of the rows whose
     prompt ends here (`fork` draws from them). depth (int32 scalar; None: all): the chunk runs the
-    first depth layers only, as many as its rows need (`cache.layers_to_run`). Returns (each row's
-    token sampled after its chunk, Drawn `[R]`, the state)."""
+    first depth layers only, as many as its rows need (`cache.layers_to_run`). With `snapshots`
+    (prefix caching; rows given): a row with a `restore` (int32 `[R]`; -1: none) starts from that
+    saved state instead (cache.restore_rows: its position, rings, compressor states; with
+    speculation the MTP block's row and the carry), and a row with a `keep` (int32 `[R]`; S or
+    more: none) has its state after the chunk saved there. Returns (each row's token sampled after
+    its chunk, Drawn `[R]`, the state)."""
     whole = rows is None
     at = slice(None) if whole else rows
     restart = None if whole else start >= 0
     sub = state.cache if whole else reset_rows(take_rows(state.cache, rows), restart, start)
+    saved = state.snapshots
+    if saved is not None:
+        sub = restore_rows(sub, restore, saved["cache"])
     p0 = sub["pos"]
     out = step(params, sub, ids, cfg, True, n_valid=n_valid, return_hidden=mtp is not None, rows_in_place=whole,
                depth=depth)
     drawn = sample.draw(out.logits[:, 0], _rows(state, at))
     state = state._replace(cache=out.cache if whole else put_rows(state.cache, rows, out.cache))
+    if saved is not None:
+        saved = {**saved, "cache": save_rows(saved["cache"], keep, out.cache)}
     if state.logits is not None:
         R = ids.shape[0]
         ending = jnp.where(ends, jnp.arange(R) if whole else rows, state.logits.shape[0])  # the others: dropped
@@ -233,12 +257,19 @@ def prefill(params, mtp, state: DecodeState, rows, ids, n_valid, start, ends, sa
         # The block runs one position behind the model (speculative.prefill_block).
         block = state.mtp_cache if whole else reset_rows(take_rows(state.mtp_cache, rows), restart,
                                                          jnp.maximum(start - 1, 0))
+        carry = state.carry[at]
+        if saved is not None:
+            block = restore_rows(block, restore, saved["mtp_cache"])
+            carry = jnp.where((restore >= 0)[:, None, None], saved["carry"][jnp.maximum(restore, 0)], carry)
         block, carry = speculative.prefill_block(mtp, params["embed"], params["head"], block, out.hidden, ids, p0,
-                                                 n_valid, state.carry[at], cfg)
+                                                 n_valid, carry, cfg)
         state = state._replace(mtp_cache=block if whole else put_rows(state.mtp_cache, rows, block),
                                carry=state.carry.at[at].set(carry),
                                pending=speculative.start(state.pending, at, ends, carry, drawn.tokens))
-    return drawn, state
+        if saved is not None:
+            saved = {**saved, "mtp_cache": save_rows(saved["mtp_cache"], keep, block),
+                     "carry": saved["carry"].at[keep].set(carry, mode="drop")}
+    return drawn, state._replace(snapshots=saved)
 
 
 @partial(jax.jit, donate_argnums=(0,))

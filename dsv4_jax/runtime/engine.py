@@ -33,13 +33,19 @@ sampled or greedy.
 With prefix caching (`enable_prefix_caching`, on by default), full blocks stay cached by the
 tokens up to their end (dsv4_jax/runtime/blocks.py), also after their request ends. An admitted
 request takes the longest cached prefix of its context (full blocks, up to its last token, which
-must run for its first token) and prefills from `recompute_span` tokens before the reuse point:
-those tokens run again to rebuild the window rings and compressor states there, their compressed
-entries read from the shared blocks (dsv4_jax/model/cache.py), each chunk of them through only the
-layers it needs (`layers_to_run`: the lowest layers first, every layer by the reuse point), then
-the rest of the prompt runs as usual. Its tokens are those it gets without the cache. The
-counters `prefix_cache_queries` and `prefix_cache_hits` count the admitted prompt tokens looked up
-and those found (vLLM's).
+must run for its first token). Its window rings and compressor states at the reuse point come
+from a snapshot where one is kept: wherever a prefill chunk ends at a block's end, a row's state
+there is saved (`prefix_snapshots` places, default twice the slots, the least recently used given
+up first) under that block's key, and a request starts from the one at the latest block end of
+its cached prefix (`_snapshot_for`), running only what comes after it. Otherwise it prefills from
+`recompute_span` tokens before the reuse point: those tokens run again to rebuild the rings and
+states there, their compressed entries read from the shared blocks (dsv4_jax/model/cache.py),
+each chunk of them through only the layers it needs (`layers_to_run`: the lowest layers first,
+every layer by the reuse point), the last one ending at the reuse point, whose state is then
+saved for the next request. Then the rest of the prompt runs as usual. Its tokens are those it
+gets without the cache. The counters `prefix_cache_queries` and `prefix_cache_hits` count the
+admitted prompt tokens looked up and those found (vLLM's), `prefix_cache_snapshot_hits` the
+requests started from a snapshot.
 
 Every shape is bucketed: the decode program is one, the fork one (`fork_rows` choices, padded),
 the block table's update one per power of two of rows (up to the slots), the prefill program one
@@ -48,7 +54,8 @@ prefill_chunk), so after `warmup()` (which also runs each program once) nothing 
 whatever the requests. A
 prompt is cut at multiples of prefill_chunk, as `generate` cuts it, so a request's greedy tokens
 are those `generate` gives for its prompt alone (after a prefix-cache hit its chunks start at its
-recomputed span instead: the same values to fp32 rounding, tests/test_prefix_cache.py).
+recomputed span or its snapshot instead: the same values to fp32 rounding, and from a snapshot
+saved on those chunk boundaries the same bits, tests/test_prefix_cache.py).
 
 With `speculative_tokens` k (dsv4_jax/runtime/speculative.py: the checkpoint's MTP block drafts, the main
 model verifies), the decode step is one verification round: each generating slot gets 1 to
@@ -110,11 +117,11 @@ import numpy as np
 
 from dsv4_jax.model import sharding
 from dsv4_jax.model.cache import (block_bytes, blocks_per_row, cache_spec, check_block_size, check_kv_cache_dtype,
-                                  default_block_size, layers_to_run, recompute_span)
+                                  default_block_size, layers_to_run, recompute_span, row_state)
 from dsv4_jax.model.deepseek_v4 import DeepseekV4
 from dsv4_jax.model.layer_weights import unstack_layers
 from . import decode, speculative
-from .blocks import BlockPool, chain
+from .blocks import BlockPool, SnapshotIndex, chain
 from .buckets import MIN_PREFILL_CHUNK, PREFILL_CHUNK, batch_bucket, chunk_bucket
 from .generate import run_request
 from .request import (MAX_SPECULATIVE_TOKENS, Request, RequestError, SamplingParams, check_prompt,
@@ -192,6 +199,9 @@ class EngineRequest:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # blocks.chain keys of its full blocks so far
     cached: int = 0  # its first blocks known to the prefix cache
     start: int = 0  # the position its prefill starts from (inside a cached prefix after a hit)
+    reuse: int = 0  # its cached prefix's end (after a hit)
+    restore: int | None = None  # the snapshot its first chunk starts from, until it has
+    restored: bool = False  # its prefill started from a snapshot
     resume: list[int] | None = None  # after a preemption: the prompt and the tokens it had drawn but the last
     preempted: int = 0
     constraint: typing.Any = None  # a grammar's host state (module doc)
@@ -242,7 +252,8 @@ class Engine:
     def __init__(self, model: DeepseekV4, *, slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  max_tokens_per_step: int | None = None, max_queue: int = 1024, speculative_tokens: int = 0,
                  block_size: int | None = None, kv_cache_memory: int | None = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", deterministic: bool = False):
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", deterministic: bool = False,
+                 prefix_snapshots: int | None = None):
         cfg = model.config
         if deterministic and speculative_tokens:
             raise EngineConfigError("deterministic", "deterministic mode runs no speculation: drop speculative_tokens")
@@ -279,13 +290,23 @@ class Engine:
             raise EngineConfigError("kv_cache_dtype", str(e)) from None
         self.kv_cache_dtype = kv_cache_dtype
         self.row_shards = 1 if model.mesh is None else cfg.layout.shards(sharding.BATCH, model.mesh)
+        paged = "blocks" in cache_spec(cfg, 1, self.block_size, self.model.dtype, block_size=self.block_size,
+                                       num_blocks=1)
+        if prefix_snapshots is not None and prefix_snapshots < 0:
+            raise EngineConfigError("prefix_snapshots", f"prefix_snapshots must be >= 0, got {prefix_snapshots}")
+        snapshots = 2 * self.slots if prefix_snapshots is None else prefix_snapshots
+        # Prefix caching's saved row states, as many on each of the mesh's row shards; none where no
+        # prefill program runs (deterministic mode).
+        self.snapshots = (0 if deterministic or not (enable_prefix_caching and paged)
+                          else -(-snapshots // self.row_shards) * self.row_shards)
         self.num_blocks = self._num_blocks(kv_cache_memory)
         self.state = self._new_state()
-        self.paged = self.state is not None and "blocks" in self.state.cache
+        self.paged = self.state is not None and paged
         self.table = np.zeros((self.slots, blocks_per_row(max_len + self.k, self.block_size)), np.int32)
         self.shared = np.zeros((self.slots,), np.int32)  # each slot's reuse point (cache.py's `shared`)
         self.prefix_caching = enable_prefix_caching and self.paged
         self.pool = BlockPool(self.num_blocks, self.slots, self.row_shards, caching=self.prefix_caching)
+        self.saved = SnapshotIndex(self.snapshots, self.row_shards) if self.snapshots and self.prefix_caching else None
         # The most choices one fork program starts: the other slots of the parent's device.
         self.fork_rows = 0 if deterministic else self.pool.rows_per_shard - 1
         self.recompute = recompute_span(cfg, lookahead_layers=1 if self.k else 0)
@@ -305,6 +326,8 @@ class Engine:
         self.counters = collections.Counter()
         if self.prefix_caching:
             self.counters["prefix_cache_queries"] = self.counters["prefix_cache_hits"] = 0
+        if self.saved is not None:
+            self.counters["prefix_cache_snapshot_hits"] = 0
         if self.fork_rows:
             self.counters["forked_requests"] = 0
         if self.k:  # reported from the start, zero until a round runs
@@ -320,9 +343,9 @@ class Engine:
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         """The pools' blocks: what kv_cache_memory bytes hold, else KV_CACHE_FRACTION of what the
-        devices have free less the slots' rings and states (on a device that reports no memory,
-        as a CPU: one max_len sequence per slot); a multiple of the mesh's row shards, each shard
-        able to hold one max_len sequence."""
+        devices have free less the slots' rings and states and the snapshots (on a device that
+        reports no memory, as a CPU: one max_len sequence per slot); a multiple of the mesh's row
+        shards, each shard able to hold one max_len sequence."""
         nb, shards = blocks_per_row(self.max_len + self.k, self.block_size), self.row_shards
         per = block_bytes(self.cfg, self.block_size, self.model.dtype, self.kv_cache_dtype)
         if kv_cache_memory is None:
@@ -330,10 +353,14 @@ class Engine:
             free = device_free_bytes(list(devices))
             if free is None:
                 return self.slots * nb
-            spec = cache_spec(self.cfg, self.slots // shards, self.max_len + self.k, self.model.dtype, self.k,
-                              block_size=self.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype)
-            rows = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in
-                       jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, tuple)))
+            def spec(rows: int) -> dict:
+                return cache_spec(self.cfg, rows, self.max_len + self.k, self.model.dtype, self.k,
+                                  block_size=self.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype)
+
+            leaves = (jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
+                      for tree in (spec(self.slots // shards), row_state(spec(self.snapshots // shards))))
+            rows = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                       for shape, dtype in itertools.chain(*leaves))
             kv_cache_memory = max(int(free * KV_CACHE_FRACTION) - rows, 0) * shards
         n = kv_cache_memory // max(per, 1) // shards * shards
         if n < nb * shards:
@@ -385,7 +412,7 @@ class Engine:
         writes k past the last token it keeps)."""
         return decode.new_state(self.model, self.slots, self.max_len + self.k, k=self.k, block_size=self.block_size,
                                 num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype, penalties=True,
-                                forks=True)
+                                forks=True, snapshots=self.snapshots)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -411,6 +438,8 @@ class Engine:
         chosen = []
         for r in prefilling:
             n = min(self.prefill_chunk, len(r.context) - r.prefilled)
+            if self.saved is not None and r.prefilled < r.reuse:  # a chunk ends there: its state is saved
+                n = min(n, r.reuse - r.prefilled)
             if chosen and n > budget:
                 break
             chosen.append((r, n))
@@ -442,7 +471,14 @@ class Engine:
             req.blocks = []
             return False
         reuse = len(hit) * self.block_size
-        req.cached, req.start = len(hit), max(reuse - self.recompute, 0)
+        req.cached, req.reuse, req.start = len(hit), reuse, max(reuse - self.recompute, 0)
+        found = self._snapshot_for(req, slot, reuse)
+        req.restored = found is not None
+        req.restore = None
+        if found is not None:
+            req.restore, req.start = found
+            self.saved.pin(req.restore)
+            self.counters["prefix_cache_snapshot_hits"] += 1
         req.prefilled = req.start
         if self.paged:
             self.table[slot, :len(req.blocks)] = req.blocks
@@ -452,6 +488,34 @@ class Engine:
             self.counters["prefix_cache_queries"] += len(context)
             self.counters["prefix_cache_hits"] += reuse
         return True
+
+    def _snapshot_for(self, req: EngineRequest, slot: int, reuse: int) -> tuple[int, int] | None:
+        """The snapshot to start req (at slot, its cached prefix ending at `reuse`) from and its
+        position: the state saved at the latest end of a block of the prefix found, if it lies
+        past the start of the span that would run instead (`recompute_span`); else None."""
+        if self.saved is None:
+            return None
+        bs, shard = self.block_size, self.pool.shard_of(slot)
+        keys = self._keys(req, reuse // bs)
+        for j in range(len(keys), 0, -1):
+            if j * bs <= reuse - self.recompute:
+                return None
+            at = self.saved.find(shard, keys[j - 1])
+            if at is not None:
+                return at, j * bs
+        return None
+
+    def _snapshot_place(self, req: EngineRequest, end: int) -> int:
+        """Where req's state after a chunk ending at `end` is to be saved (`decode.prefill`'s keep):
+        a snapshot's place if `end` ends a block and req's state there is its sequence's own (a
+        span running before the reuse point rebuilds it only there); else past the last (none)."""
+        none = self.snapshots
+        if self.saved is None or end % self.block_size or not end:
+            return none
+        if req.start and not req.restored and end < req.reuse:
+            return none
+        at = self.saved.place_for(self.pool.shard_of(req.slot), self._keys(req, end // self.block_size)[-1])
+        return none if at is None else at
 
     def _place(self, req: EngineRequest, slot: int) -> None:
         """Moves req (given its blocks) from the queue into slot, with its penalty history."""
@@ -585,8 +649,15 @@ class Engine:
         with self.lock:
             self.waiting.appendleft(req)
 
+    def _unpin(self, req: EngineRequest) -> None:
+        """Lets go of the snapshot req was to start from (it has, or it leaves its slot)."""
+        if req.restore is not None:
+            self.saved.unpin(req.restore)
+            req.restore = None
+
     def _release(self, req: EngineRequest) -> None:
         """Frees req's slot and blocks (req.slot still says which slot it had)."""
+        self._unpin(req)
         if req.slot is not None and self.running.get(req.slot) is req:
             self._cache_full_blocks(req)
             del self.running[req.slot]
@@ -664,11 +735,15 @@ class Engine:
         rows = np.array([r.slot for r in reqs] + fillers, np.int32)
         ids, n_valid, start, ends = (np.zeros((R, T), np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
                                      np.zeros(R, bool))
+        restore, keep = np.full(R, -1, np.int32), np.full(R, self.snapshots, np.int32)
         for i, (r, n) in enumerate(chosen):
             ids[i, :n] = r.context[r.prefilled: r.prefilled + n]
             n_valid[i], ends[i] = n, r.prefilled + n == len(r.context)
-            if r.prefilled == r.start:  # its first chunk
+            if r.restore is not None:  # its first chunk, from a snapshot
+                restore[i] = r.restore
+            elif r.prefilled == r.start:  # its first chunk
                 start[i] = r.start
+            keep[i] = self._snapshot_place(r, r.prefilled + n)
         # Only the requests whose first token this chunk draws ask their constraint for a mask.
         drawing = {i: r for i, (r, n) in enumerate(chosen) if r.prefilled + n == len(r.context) and r.resume is None}
         sample = self._sampling(drawing, R)
@@ -677,13 +752,14 @@ class Engine:
                 # Back where it was preempted, its row draws the last token it had again, exactly: with
                 # speculation that token starts the MTP block's pending row, and its drafts, as before.
                 sample.controls.mask[i] = only_token(r.tokens[-1], self.cfg.vocab_size)
-        depth = max(layers_to_run(self.cfg, r.start, r.prefilled + n) for r, n in chosen)
+        depth = max(layers_to_run(self.cfg, 0 if r.restored else r.start, r.prefilled + n) for r, n in chosen)
         with self.model.on_mesh():
             drawn, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids, n_valid, start, ends,
-                                               sample, self.cfg, np.int32(depth))
+                                               sample, self.cfg, np.int32(depth), restore=restore, keep=keep)
         drawn = self._fetch(drawn, drawing.values())
         self.counters["prompt_tokens"] += int(n_valid.sum())
         for r, n in chosen:
+            self._unpin(r)
             r.prefilled += n
             self._cache_full_blocks(r)
         if self.fork_rows:
@@ -922,7 +998,8 @@ class Engine:
                 _, self.state = decode.prefill(
                     self.params, self.mtp, self.state, np.arange(R, dtype=np.int32),
                     rng.integers(0, V, (R, T), dtype=np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
-                    np.zeros(R, bool), self._sampling({}, R), self.cfg, np.int32(self.cfg.num_layers))
+                    np.zeros(R, bool), self._sampling({}, R), self.cfg, np.int32(self.cfg.num_layers),
+                    restore=np.full(R, -1, np.int32), keep=np.full(R, self.snapshots, np.int32))
                 jax.block_until_ready(self.state)
                 report(i, total, f"prefill ({R} row{'s' * (R > 1)} x {T} tokens)")
         return total

@@ -249,6 +249,10 @@ class _EngineCollector:
                                       "requests looked up.", value=s["prefix_cache_queries"])
             yield CounterMetricFamily("dsv4:prefix_cache_hits", "Prefix cache: prompt tokens found (their "
                                       "compressed entries read from cached blocks).", value=s["prefix_cache_hits"])
+        if "prefix_cache_snapshot_hits" in s:
+            yield CounterMetricFamily("dsv4:prefix_cache_snapshot_hits", "Prefix cache: requests started from a "
+                                      "row state saved at the end of a cached block, with no recompute before it.",
+                                      value=s["prefix_cache_snapshot_hits"])
         yield CounterMetricFamily("dsv4:prompt_tokens", "Prompt tokens prefilled.", value=s.get("prompt_tokens", 0))
         yield CounterMetricFamily("dsv4:generation_tokens", "Tokens generated.", value=s.get("generation_tokens", 0))
         finished = CounterMetricFamily("dsv4:request_success", "Requests the engine finished, by reason "
@@ -985,6 +989,10 @@ def parse_args(argv=None):
     ap.add_argument("--enable-prefix-caching", action=BooleanOptionalAction, default=True,
                     help="reuse the cache blocks of prompt prefixes seen before (default: on; "
                          "--no-enable-prefix-caching turns it off)")
+    ap.add_argument("--prefix-snapshots", type=int, default=None,
+                    help="row states prefix caching keeps, each at the end of a cached block, so that a request "
+                         "reusing that prefix starts there instead of recomputing the window before it "
+                         "(default: 2 x max-num-seqs; 0: always recompute)")
     ap.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more get "
                                                                 "503 (default 1024)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="largest prompt chunk prefilled in one step, "
@@ -1090,7 +1098,8 @@ def load_service(args, log=None) -> Service:
             max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue,
             speculative_tokens=args.speculative_tokens, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
+            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+            prefix_snapshots=args.prefix_snapshots)
     except EngineConfigError as e:
         raise ValueError(f"--{e.param.replace('_', '-')}: {e}") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(os.path.abspath(args.ckpt)))
