@@ -587,6 +587,8 @@ def test_bad_flags_and_checkpoints_are_one_line(setup, tmp_path, capsys):
          "--block-size: block size 96 must be a positive multiple of 128"),
         (["--ckpt", ckpt, "--port", "0", "--kv-cache-memory", "1KiB", *FLAGS[:2]],
          "--kv-cache-memory: kv_cache_memory 1024 bytes holds 0 blocks of 128 tokens"),
+        (["--ckpt", ckpt, "--port", "0", "--prefix-snapshots", "-1", *FLAGS[:2]],
+         "--prefix-snapshots: prefix_snapshots must be >= 0, got -1"),
         ([], "the following arguments are required: --ckpt"),
         (["--ckpt", ckpt, "--port", port], f"cannot listen on 127.0.0.1:{port}"),
         (["--ckpt", str(tmp_path / "missing"), "--port", "0"], "checkpoint directory not found"),
