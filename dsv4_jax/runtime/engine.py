@@ -209,6 +209,13 @@ class EngineRequest:
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     @property
+    def span_start(self) -> int:
+        """Where the span it runs to rebuild its state at `reuse` starts (`recompute_span`); 0 when
+        its state is its sequence's own from its first chunk on (prefilled from 0, or from a
+        snapshot)."""
+        return 0 if self.restored else self.start
+
+    @property
     def drafts(self) -> int:
         """Drafts it proposes a round: none when penalized or constrained (module doc)."""
         s = self.sampling
@@ -357,10 +364,11 @@ class Engine:
                 return cache_spec(self.cfg, rows, self.max_len + self.k, self.model.dtype, self.k,
                                   block_size=self.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype)
 
-            leaves = (jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
-                      for tree in (spec(self.slots // shards), row_state(spec(self.snapshots // shards))))
-            rows = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                       for shape, dtype in itertools.chain(*leaves))
+            def nbytes(tree: dict) -> int:
+                return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in
+                           jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+            rows = nbytes(spec(self.slots // shards)) + nbytes(row_state(spec(self.snapshots // shards)))
             kv_cache_memory = max(int(free * KV_CACHE_FRACTION) - rows, 0) * shards
         n = kv_cache_memory // max(per, 1) // shards * shards
         if n < nb * shards:
@@ -512,7 +520,7 @@ class Engine:
         none = self.snapshots
         if self.saved is None or end % self.block_size or not end:
             return none
-        if req.start and not req.restored and end < req.reuse:
+        if req.span_start and end < req.reuse:
             return none
         at = self.saved.place_for(self.pool.shard_of(req.slot), self._keys(req, end // self.block_size)[-1])
         return none if at is None else at
@@ -752,7 +760,7 @@ class Engine:
                 # Back where it was preempted, its row draws the last token it had again, exactly: with
                 # speculation that token starts the MTP block's pending row, and its drafts, as before.
                 sample.controls.mask[i] = only_token(r.tokens[-1], self.cfg.vocab_size)
-        depth = max(layers_to_run(self.cfg, 0 if r.restored else r.start, r.prefilled + n) for r, n in chosen)
+        depth = max(layers_to_run(self.cfg, r.span_start, r.prefilled + n) for r, n in chosen)
         with self.model.on_mesh():
             drawn, self.state = decode.prefill(self.params, self.mtp, self.state, rows, ids, n_valid, start, ends,
                                                sample, self.cfg, np.int32(depth), restore=restore, keep=keep)
