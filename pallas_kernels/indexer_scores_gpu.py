@@ -8,8 +8,8 @@ GEMM and writes them out, fp32 `[N, T H]`, before the fusion that applies the Re
 weights and sums the heads reads them back: T H fp32 values per key, written and read again in
 every ratio-4 layer, growing with the keys, that is with the context (docs/plan.md has the
 bytes). Here each program keeps its products in registers and writes only the scores. (On TPU,
-XLA fuses that epilogue into the product itself and writes only the scores, so the reference
-runs there.)
+XLA fuses that epilogue into the product itself and writes only the scores, so over keys as
+values the reference runs there; over records a TPU kernel decodes them, `indexer_scores_tpu`.)
 
 Keys come as values or as their FP8 records (uint32 words, as a cache with `--kv-cache-dtype
 fp8` holds them: `kv_record` with no RoPE part, D e4m3 codes and a UE8M0 scale per 64): the

@@ -1,6 +1,6 @@
-"""The lightning indexer's scores in plain JAX: the reference the kernel is checked against, and
-what runs on TPU (XLA there computes the product with the ReLU, the weights and the head sum as
-its epilogue and writes only the scores) and on CPU."""
+"""The lightning indexer's scores in plain JAX: the reference the kernels are checked against, and
+what runs on CPU and, over keys as values, on TPU (XLA there computes the product with the ReLU,
+the weights and the head sum as its epilogue and writes only the scores)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 BLOCK = 64
 _E4M3_MAX = 448.0
@@ -74,6 +75,17 @@ def _dequantize(q: jnp.ndarray, exponent: jnp.ndarray, n: int) -> jnp.ndarray:
     """(codes `[..., blocks, 64]`, exponents `[..., blocks]`) -> float32 `[..., n]`."""
     x = q.astype(jnp.float32) * _pow2(exponent)[..., None]
     return x.reshape(*x.shape[:-2], -1)[..., :n]
+
+
+def e4m3_values(code):
+    """int32 e4m3fn codes 0..255 -> their float32 values by integer ops and a bitcast, as the TPU
+    kernels decode records (NaN codes are never written)."""
+    sign = (code & 0x80) << 24
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    normal = lax.bitcast_convert_type(sign | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+    return jnp.where(exponent == 0, jnp.where(sign != 0, -subnormal, subnormal), normal)
 
 
 def encode(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:

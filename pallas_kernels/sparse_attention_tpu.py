@@ -82,16 +82,6 @@ class _Rows(NamedTuple):
     scales: int = 0
 
 
-def _e4m3(code):
-    """int32 e4m3fn codes 0..255 -> their float32 values (NaN codes are never written)."""
-    sign = (code & 0x80) << 24
-    exponent = (code >> 3) & 0xF
-    mantissa = code & 0x7
-    normal = lax.bitcast_convert_type(sign | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
-    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -9)
-    return jnp.where(exponent == 0, jnp.where(sign != 0, -subnormal, subnormal), normal)
-
-
 def _record_planes(words, rows: _Rows):
     """A block of records as words int32 `[BK, W]` -> the values of its PLANES planes, fp32
     `[BK, W]` each (column i of plane j: NoPE dim 4i + j; planes 0 / 1 in the RoPE columns: the
@@ -112,7 +102,7 @@ def _record_planes(words, rows: _Rows):
             lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32))  # low half: the even dim
     planes = []
     for j in range(PLANES):
-        value = jnp.where(is_nope, _e4m3((words >> (8 * j)) & 0xFF) * scale, 0.0)
+        value = jnp.where(is_nope, kv_record.e4m3_values((words >> (8 * j)) & 0xFF) * scale, 0.0)
         planes.append(jnp.where(is_rope, rope[j], value) if j < 2 else value)
     return planes
 

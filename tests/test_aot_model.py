@@ -59,14 +59,15 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     # The grouped matmul kernel: the routed experts' second product (one MoE for the three kinds),
     # and the output projection's wo_a (once, outside the layer-kind switch); the experts' first
     # two products are one fused kernel with their activation (grouped_swiglu).
-    # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row),
-    # and the ratio-4 branch scores its cached keys and the chunk's own by the indexer's kernel (on
-    # TPU XLA computes the scores).
+    # On CUDA, records go to the Pallas-Triton kernel (Mosaic GPU's TMA cannot copy a 584-byte row).
+    # The ratio-4 branch scores its cached keys and the chunk's own by the indexer's kernel on CUDA;
+    # on TPU the cached keys when they are FP8 records (over bf16 keys, the chunk's own too, XLA
+    # computes the scores there).
     cuda = aot.target(target).platform == "cuda"
     grouped = (["dsv4_grouped_matmul_gpu"] * 2 + ["dsv4_grouped_swiglu_gpu"] if cuda
                else ["dsv4_grouped_matmul"] * 2 + ["dsv4_grouped_swiglu"])
     attention = "dsv4_sparse_attention" + ("_fp8" if cuda and kv_cache_dtype == "fp8" else "")
-    scores = ["dsv4_indexer_scores_gpu"] * 2 if cuda else []
+    scores = ["dsv4_indexer_scores_gpu"] * 2 if cuda else ["dsv4_indexer_scores"] * (kv_cache_dtype == "fp8")
     # The hyper-connections' GPU kernels (any hidden size; this model's is off TPU's 128 lanes, so
     # the TPU programs take the reference): the collapse (mixes, sum) before the scan body's two
     # sub-layers and the head's, the expansion after each sub-layer.
@@ -75,15 +76,14 @@ def test_generate_step_compiles_with_pallas(target, kv_cache_dtype, tokens):
     queries = ["dsv4_query_norm_rope_gpu"] * 3 if cuda else []
     assert sorted(kernels) == sorted(["dsv4_compress"] * 3 + grouped + [attention] * 3 + scores + hyper + queries)
     if kv_cache_dtype == "fp8":
-        # No XLA op decodes K=V records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
-        # `[B, n, 7, 64]`) are the chunk's own rows and entries being encoded, n <= T. (The
-        # indexer's cached keys, 128 values, are decoded in XLA for its scores on TPU, by the
-        # scores' kernel on CUDA.)
-        nope = cfg.head_dim - cfg.rope_head_dim
+        # No XLA op decodes records: the program's e4m3 arrays of NoPE values `[B, n, 448]` (or
+        # `[B, n, 7, 64]`) and of indexer keys `[B, n, 128]` (or `[B, n, 2, 64]`) are the chunk's
+        # own rows, entries and keys being encoded, n <= T; the kernels decode the cached ones.
         text = result.compiled.as_text()
         shapes = [[int(x) for x in dims.split(",")] for dims in re.findall(r"f8e4m3fn\[([0-9,]+)\]", text)]
-        nope_values = [sh for sh in shapes if sh[-1] == nope or sh[-2:] == [nope // 64, 64]]
-        assert nope_values and all(sh[1] <= tokens for sh in nope_values), nope_values
+        for d in (cfg.head_dim - cfg.rope_head_dim, cfg.index_head_dim):
+            values = [sh for sh in shapes if sh[-1] == d or sh[-2:] == [d // 64, 64]]
+            assert values and all(sh[1] <= tokens for sh in values), (d, values)
     if tokens == 1:
         # Decode gathers the rows it reads straight from the stacks of layers' pools
         # (cache.pool_view / pool_entries): no instruction holds one layer's whole pool, which a

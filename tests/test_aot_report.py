@@ -14,6 +14,7 @@ from pallas_kernels import fp8_activations_gpu as fag
 from pallas_kernels import grouped_matmul_gpu as gmg
 from pallas_kernels import hyper_connection_gpu as hcg
 from pallas_kernels import indexer_scores_gpu as isg
+from pallas_kernels import indexer_scores_tpu as ist
 from pallas_kernels import quantized_matmul_gpu as qmg
 from pallas_kernels import query_gpu as qg
 from dsv4_jax.tools import kernel_report as report
@@ -32,7 +33,8 @@ def test_report_prints_compiler_facts():
     records = json.loads(run.stdout)
     tpu_only = [c for c in report.CASES if c.startswith("hc_collapse/")]  # on CUDA two kernels, two cases:
     gpu_only = [c for c in report.CASES
-                if c.split("/")[0] in ("hc_mixes", "hc_sum", "indexer_scores", "query_norm_rope")]
+                if c.split("/")[0] in ("hc_mixes", "hc_sum", "query_norm_rope")
+                or (c.startswith("indexer_scores/") and not c.endswith("-fp8"))]
     hyper = [c for c in report.CASES if c.startswith("hc_")]
     assert [(r["target"], r["case"]) for r in records] == [(t, c) for t in ("v5p-8", "h100x1") for c in report.CASES
                                                            if c not in (gpu_only if t == "v5p-8" else tpu_only)]
@@ -41,9 +43,11 @@ def test_report_prints_compiler_facts():
                if c.split("/")[0] in ("fp8_matmul", "grouped_matmul", "grouped_swiglu", "fp8_activation_matmul")]
     fp8_records = [c for c in report.CASES if c.startswith("sparse_attention/") and c.endswith("-fp8")]
     block_diagonal = [c for c in report.CASES if c.startswith("block_diagonal_matmul/")]  # the grouped kernels' form
+    scores = [c for c in report.CASES if c.startswith("indexer_scores/")]
     for r in records:  # on CUDA the matmuls are the Pallas-Triton kernels, "..._gpu", and so is
         # the attention over FP8 records, "..._fp8"
-        triton = r["target"] == "h100x1" and r["case"] in matmuls + fp8_records + gpu_only + hyper + block_diagonal
+        triton = r["target"] == "h100x1" and r["case"] in (matmuls + fp8_records + gpu_only + hyper + block_diagonal
+                                                           + scores)
         suffix = ("_fp8" if r["case"] in fp8_records else "_gpu") if triton else ""
         kernel = "grouped_matmul" if r["case"] in block_diagonal else r["case"].split("/")[0]
         assert r["kernel"] == "dsv4_" + kernel + suffix
@@ -132,20 +136,30 @@ def test_report_prints_compiler_facts():
         assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
         assert r["declared_cost"]["flops"] >= 2 * m * n * k
         assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
-    # The indexer's scores: a program per (row, query tile, key tile), each key read once (at
-    # decode, every byte once: the minimum), no spills.
-    for case in [c for c in gpu_only if c.startswith("indexer_scores/")]:
-        r = by["h100x1", case]
-        b, t, n = (r["shapes"][d] for d in "BTN")
+    # The indexer's scores (keys as bf16 values or FP8 records; on TPU records only): on the H100
+    # a program per (row, query tile, key tile), no spills; on TPU the kernel's grid order's
+    # reads. Each declares its formula, at least the minimum, and at decode every byte once (the
+    # minimum); over records about 136 / 256 of the bytes over bf16 keys on the H100.
+    for case in scores:
+        gpu = by["h100x1", case]
+        b, t, h, n, d = (gpu["shapes"][x] for x in "BTHND")
+        records = gpu["shapes"]["keys"] == "fp8 records"
         tt, tn = isg.tiles(t, "bfloat16")
-        assert sorted(r["grid"]) == sorted([b, -(-t // tt), -(-n // tn)])
-        assert r["arch"] == "sm_90a" and 0 < r["smem_bytes"] <= 227 * 1024
-        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == {"stores": 0, "loads": 0}
-        declared = isg.cost_estimate(b, t, r["shapes"]["H"], n, r["shapes"]["D"], "bfloat16")
-        assert r["declared_cost"] == {"flops": declared.flops, "bytes_accessed": declared.bytes_accessed}
-        assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
-    assert by["h100x1", "indexer_scores/decode-1m"]["declared_cost"]["bytes_accessed"] == \
-        by["h100x1", "indexer_scores/decode-1m"]["minimum_bytes"]
+        assert sorted(gpu["grid"]) == sorted([b, -(-t // tt), -(-n // tn)])
+        assert gpu["arch"] == "sm_90a" and 0 < gpu["smem_bytes"] <= 227 * 1024
+        assert 0 < gpu["registers"] <= 255 and gpu["spill_bytes"] == {"stores": 0, "loads": 0}
+        declared = {"h100x1": isg.cost_estimate(b, t, h, n, d, "bfloat16", 136 if records else None)}
+        if records:
+            declared["v5p-8"] = ist.cost_estimate(b, t, h, n, d, "bfloat16")
+        for target, want in declared.items():
+            r = by[target, case]
+            assert r["declared_cost"] == {"flops": want.flops, "bytes_accessed": want.bytes_accessed}
+            assert r["declared_cost"]["bytes_accessed"] >= r["minimum_bytes"]
+            if case.startswith("indexer_scores/decode"):
+                assert r["declared_cost"]["bytes_accessed"] == r["minimum_bytes"]
+    fp8, bf16 = (by["h100x1", "indexer_scores/decode-1m" + x]["declared_cost"]["bytes_accessed"]
+                 for x in ("-fp8", ""))
+    assert 0.5 * bf16 < fp8 < 0.55 * bf16
     # The grouped output projection, its heads rotated back as loaded: at least the minimum declared
     # (wo_a's blocks, x, the output, the rows' cos and sin), no spills on the H100, and on TPU the
     # program moves no more than 10 % beyond the kernel's own (x is read in place, not re-laid out).

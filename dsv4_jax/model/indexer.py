@@ -3,7 +3,7 @@
 score[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]) / sqrt(index_head_dim), with
 w = weights_proj(x) / sqrt(index_n_heads), all in fp32. Entry j is visible to the query at
 absolute position t iff j < (t + 1) // ratio. The scores themselves are
-`pallas_kernels.indexer_scores` (a kernel on GPU); here the choice from them.
+`pallas_kernels.indexer_scores` (kernels on TPU and GPU); here the choice from them.
 """
 
 from __future__ import annotations

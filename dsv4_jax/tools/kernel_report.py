@@ -4,8 +4,8 @@ DeepSeek-V4-Flash decode and prefill shapes, as JSON (one record per target and 
 Each kernel is compiled ahead of time (dsv4_jax.tools.aot; the `aot` extra, no accelerator needed) for
 TPU v5p, TPU v6e, TPU v7x and an H100 (the FP8 and grouped matmuls: their Mosaic TPU kernels on
 TPU, their Pallas-Triton kernels, named "..._gpu", on CUDA; the hyper-connections' collapse is
-one kernel on TPU and two on CUDA, its mixes and its sum, each a case; the indexer's scores on
-CUDA only), and the record holds:
+one kernel on TPU and two on CUDA, its mixes and its sum, each a case; the indexer's scores over
+bf16 keys on CUDA only, over FP8 records on both), and the record holds:
   * TPU: "vmem_bytes", the scoped VMEM the compiler allocated to the Mosaic kernel (its
     custom call's used_scoped_memory_configs); "xla_cost", XLA's cost analysis of the compiled
     program per device (for the kernel's custom call XLA takes the kernel's own declared
@@ -29,7 +29,7 @@ CUDA only), and the record holds:
     bytes of min(E, M) experts, x and the output; hyper-connections: the streams, fn, the
     per-token weights and the outputs (on CUDA the collapse's mixes: the streams, fn and the
     partials; its sum: the streams, the weights and the output); indexer scores: the queries,
-    the keys, the weights and the scores).
+    the keys (or their FP8 records), the weights and the scores).
 Usage: python -m dsv4_jax.tools.kernel_report [--targets v5p-8,v6e-8,tpu7x-8,h100x1]
 """
 
@@ -60,6 +60,7 @@ from pallas_kernels.grouped_matmul_tpu import (block_diagonal_matmul_tpu, groupe
 from pallas_kernels.hyper_connection_gpu import MIXES_BK, hc_expand_gpu, hc_mixes_gpu, hc_sum_gpu  # noqa: E402
 from pallas_kernels.hyper_connection_tpu import hc_collapse_tpu, hc_expand_tpu  # noqa: E402
 from pallas_kernels.indexer_scores_gpu import indexer_scores_gpu  # noqa: E402
+from pallas_kernels.indexer_scores_tpu import indexer_scores_tpu  # noqa: E402
 from pallas_kernels.quantized_matmul_gpu import fp8_matmul_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul_tpu import fp8_matmul_tpu  # noqa: E402
 from pallas_kernels.query_gpu import query_norm_rope_gpu  # noqa: E402
@@ -210,14 +211,19 @@ def _hc_case(kind: str, tokens: int, batch: int) -> dict:
             "shapes": {"B": batch, "S": tokens, "hc": HC, "D": HIDDEN, "x": "bfloat16"}}
 
 
-def _indexer_scores_case(t: int, n: int) -> dict:
+def _indexer_scores_case(t: int, n: int, records: bool = False) -> dict:
     """Flash's lightning indexer (64 heads of 128, bf16) scoring n keys for t queries: a decode
-    step against a 1M-token context (262,144 keys) or a 512-token prefill chunk (2,176 keys). On
-    TPU XLA fuses the scores' epilogue into the product: no kernel there."""
-    args = (S((1, t, H, D_INDEX), BF16), S((1, n, D_INDEX), BF16), S((1, t, H), F32))
-    minimum = 2 * (t * H * D_INDEX + n * D_INDEX) + 4 * (t * H + t * n)
-    return {"fn": {"cuda": indexer_scores_gpu}, "args": args, "minimum_bytes": minimum,
-            "shapes": {"B": 1, "T": t, "H": H, "D": D_INDEX, "N": n, "q, keys": "bfloat16"}}
+    step against a 1M-token context (262,144 keys) or a 512-token prefill chunk (2,176 keys); the
+    keys as bf16 values or (records) as the FP8 records of `--kv-cache-dtype fp8`. On TPU keys as
+    values take XLA's fused product: no kernel there."""
+    key_bytes = kv_record.record_bytes(D_INDEX, 0) if records else 2 * D_INDEX
+    keys = S((1, n, key_bytes // 4), jnp.uint32) if records else S((1, n, D_INDEX), BF16)
+    args = (S((1, t, H, D_INDEX), BF16), keys, S((1, t, H), F32))
+    minimum = 2 * t * H * D_INDEX + n * key_bytes + 4 * (t * H + t * n)
+    fn = {"tpu": indexer_scores_tpu, "cuda": indexer_scores_gpu} if records else {"cuda": indexer_scores_gpu}
+    return {"fn": fn, "args": args, "minimum_bytes": minimum,
+            "shapes": {"B": 1, "T": t, "H": H, "D": D_INDEX, "N": n, "q": "bfloat16",
+                       "keys": "fp8 records" if records else "bfloat16"}}
 
 
 # A case's "fn" is one function for every platform (attention and compressors: their entry
@@ -246,6 +252,8 @@ CASES = {
     "grouped_swiglu/fp4-prefill": lambda: _grouped_matmul_case("fp4", PREFILL * 6, 2048, 4096, fused=True),
     "indexer_scores/decode-1m": lambda: _indexer_scores_case(1, 262144),
     "indexer_scores/prefill": lambda: _indexer_scores_case(PREFILL, PREFILL // 4 + 2048),
+    "indexer_scores/decode-1m-fp8": lambda: _indexer_scores_case(1, 262144, records=True),
+    "indexer_scores/prefill-fp8": lambda: _indexer_scores_case(PREFILL, PREFILL // 4 + 2048, records=True),
     "hc_collapse/decode8": lambda: _hc_case("collapse", 1, 8),
     "hc_collapse/prefill": lambda: _hc_case("collapse", PREFILL, 1),
     "hc_mixes/decode8": lambda: _hc_case("mixes", 1, 8),
