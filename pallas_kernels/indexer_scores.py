@@ -11,7 +11,7 @@ from . import kv_record
 from ._dispatch import dispatch
 from .indexer_scores_gpu import indexer_scores_gpu
 from .indexer_scores_ref import indexer_scores_ref
-from .indexer_scores_tpu import CODES_PER_WORD, indexer_scores_tpu
+from .indexer_scores_tpu import indexer_scores_tpu
 
 
 def indexer_scores(q, keys, weights, *, impl: str = "auto"):
@@ -29,7 +29,7 @@ def indexer_scores(q, keys, weights, *, impl: str = "auto"):
     def ref(q, keys, weights):
         return indexer_scores_ref(q, kv_record.read(keys, q.shape[-1], 0, q.dtype), weights)
 
-    whole_words = q.shape[-1] % CODES_PER_WORD == 0
+    whole_words = q.shape[-1] % kv_record.PLANES == 0
     records = keys.dtype == jnp.uint32
     tpu = indexer_scores_tpu if records and whole_words else ref
     return dispatch(

@@ -5,17 +5,17 @@ score[b, t, n] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, n]) / sqrt(D), in fp3
 given as their FP8 records (`kv_record` with no RoPE part: D e4m3 codes, a UE8M0 scale per 64, as
 uint32 words `[B, N, W]`), as a cache with `--kv-cache-dtype fp8` holds them.
 
-Why a kernel: XLA decodes the records into a key array in HBM (each key widened to fp32 and
-rounded back) before its product reads it again, every ratio-4 layer, growing with the context.
-Here each grid step decodes its block of records `[TN, W]` in VMEM (`_decoded`): byte j of code
-word i, times its 64-value block's UE8M0 scale, is dim 4 i + j (a "plane" j of the words, as the
-attention kernel decodes records), and four products with 0/1 matrices on the MXU put each
-plane's values in their dims' columns (exact: every output is one value, and the values are exact
-in bf16), so no byte moves between lanes and q needs no re-ordering. The records are read as
-stored and nothing else of the keys is written. (Keys as bf16 values stay on XLA's product, which
-applies the ReLU, the weights and the head sum as its epilogue and writes only the scores; a
-kernel over values moved more bytes in the model's prefill chunk, the queries and scores re-laid
-out around it: docs/plan.md.)
+Why a kernel: XLA decodes the records into a key array in HBM (each key widened to fp32 and rounded
+back) before its product reads it again, every ratio-4 layer, growing with the context. Here each
+grid step decodes its block of records `[TN, W]` in VMEM (`_decoded`): byte j of code word i, times
+its 64-value block's UE8M0 scale, is dim 4 i + j (a "plane" j of the words,
+`kv_record.decode_planes`, as the attention kernel decodes records), and four products with 0/1
+matrices on the MXU put each plane's values in their dims' columns (exact: every output is one
+value, and the values are exact in bf16), so no byte moves between lanes and q needs no re-ordering.
+The records are read as stored and nothing else of the keys is written. (Keys as bf16 values stay on
+XLA's product, which applies the ReLU, the weights and the head sum as its epilogue and writes only
+the scores; a kernel over values moved more bytes in the model's prefill chunk, the queries and
+scores re-laid out around it: docs/plan.md.)
 
 Grid: `(B, ceil(N / TN), ceil(T / TT))` or `(B, ceil(T / TT), ceil(N / TN))`, all parallel,
 whichever reads fewer bytes: the inner axis's blocks are read once per block of the outer one
@@ -54,7 +54,6 @@ KEY_BLOCK = 1024
 # Fewer keys are padded to this many: a bf16 product with one key fails Mosaic's verifier (it
 # becomes a broadcast from bf16 to fp32).
 MIN_KEYS = 8
-CODES_PER_WORD = 4  # e4m3 codes in a record word
 
 
 def tiles(t: int, n: int) -> tuple[int, int]:
@@ -80,7 +79,7 @@ def cost_estimate(b: int, t: int, h: int, n: int, d: int, dtype) -> pl.CostEstim
     scores once."""
     record = kv_record.record_bytes(d, 0)
     tt, _ = tiles(t, n)
-    placing = 2 * CODES_PER_WORD * (record // 4) * d * pl.cdiv(t, tt)
+    placing = 2 * kv_record.PLANES * (record // 4) * d * pl.cdiv(t, tt)
     _, nbytes = _reads(b, t, n, h * d * jnp.dtype(dtype).itemsize, record)
     return pl.CostEstimate(flops=b * n * (2 * t * h * (d + 1) + placing), transcendentals=0,
                            bytes_accessed=nbytes + b * t * h * 4 + b * t * n * 4)
@@ -89,25 +88,15 @@ def cost_estimate(b: int, t: int, h: int, n: int, d: int, dtype) -> pl.CostEstim
 def _decoded(k_ref, d: int, scales: int):
     """The block of key records (words `[TN, W]`) as its keys, fp32 `[TN, D]`."""
     words = lax.bitcast_convert_type(k_ref[...], jnp.int32)
-    quarter = d // CODES_PER_WORD  # words of codes
-    col = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-    # the scale words as [TN, 1] columns, picked by masks (no lane slice at an unaligned offset)
-    scale_words = [jnp.max(jnp.where(col == quarter + i, words, jnp.iinfo(jnp.int32).min), axis=1, keepdims=True)
-                   for i in range(-(-scales // CODES_PER_WORD))]
-    per_scale = kv_record.BLOCK // CODES_PER_WORD  # code words of a 64-value scale block
-    scale = jnp.zeros(words.shape, jnp.float32)  # zero past the code words
-    for blk in range(scales):  # byte blk of the scale words: 2^(b - 127), b in the exponent field
-        biased = (scale_words[blk // CODES_PER_WORD] >> (8 * (blk % CODES_PER_WORD))) & 0xFF
-        scale = jnp.where((col >= blk * per_scale) & (col < (blk + 1) * per_scale),
-                          lax.bitcast_convert_type(biased << 23, jnp.float32), scale)
+    quarter = d // kv_record.PLANES  # words of codes
+    planes = kv_record.decode_planes(words, quarter, 0, quarter, scales)  # zero past the code words
     word = lax.broadcasted_iota(jnp.int32, (words.shape[1], d), 0)
     dim = lax.broadcasted_iota(jnp.int32, (words.shape[1], d), 1)
     # (precision stated: Mosaic rejects an fp32-precision bf16 product)
-    return sum(lax.dot_general((kv_record.e4m3_values((words >> (8 * j)) & 0xFF) * scale).astype(jnp.bfloat16),
-                               ((word < quarter) & (dim == CODES_PER_WORD * word + j)).astype(jnp.bfloat16),
+    return sum(lax.dot_general(plane.astype(jnp.bfloat16), (dim == kv_record.PLANES * word + j).astype(jnp.bfloat16),
                                (((1,), (0,)), ((), ())), precision=lax.Precision.DEFAULT,
                                preferred_element_type=jnp.float32)
-               for j in range(CODES_PER_WORD))
+               for j, plane in enumerate(planes))
 
 
 def _kernel(q_ref, k_ref, w_ref, o_ref, *, scale: float, scales: int, mxu_dtype):
@@ -137,9 +126,9 @@ def indexer_scores_tpu(q, records, weights, *, interpret: bool = False):
         raise ValueError(f"indexer_scores_tpu: q {q.shape}, records {records.shape} and weights {weights.shape} "
                          "disagree")
     _, scales, size = kv_record.layout(d, 0)
-    if records.dtype != jnp.uint32 or records.shape[-1] != size // 4 or d % CODES_PER_WORD:
+    if records.dtype != jnp.uint32 or records.shape[-1] != size // 4 or d % kv_record.PLANES:
         raise ValueError(f"indexer_scores_tpu: key records of D={d} are uint32 [B, N, {size // 4}] with D a multiple "
-                         f"of {CODES_PER_WORD}, got {records.dtype} {records.shape}")
+                         f"of {kv_record.PLANES}, got {records.dtype} {records.shape}")
     if n == 0:
         return jnp.zeros((b, t, 0), jnp.float32)
     if n < MIN_KEYS:  # zero words decode to zero keys; their scores are dropped

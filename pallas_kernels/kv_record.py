@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 BLOCK = 64
+PLANES = 4  # bytes of a record word: the byte planes the TPU kernels decode
 _E4M3_MAX = 448.0
 
 
@@ -86,6 +87,33 @@ def e4m3_values(code):
     normal = lax.bitcast_convert_type(sign | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
     subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -9)
     return jnp.where(exponent == 0, jnp.where(sign != 0, -subnormal, subnormal), normal)
+
+
+def decode_planes(words, nope_words: int, rope_words: int, scale_word: int, scales: int) -> list:
+    """A block of records as words int32 `[BK, W]` (nope_words words of NoPE codes, rope_words of
+    RoPE values, `scales` scale bytes from word scale_word) -> the values of its PLANES planes, as
+    the TPU kernels decode records: fp32 `[BK, W]` each, column i of plane j holding NoPE dim
+    4i + j (times its block's scale); planes 0 / 1 in the RoPE columns the word's even / odd dim;
+    zero elsewhere. Integer ops, bitcasts and masks only: no byte moves between lanes."""
+    col = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+    rope_end = nope_words + rope_words
+    scale_words = [jnp.max(jnp.where(col == scale_word + i, words, jnp.iinfo(jnp.int32).min), axis=1,
+                           keepdims=True) for i in range(-(-scales // PLANES))]  # [BK, 1] each
+    scale = jnp.zeros(words.shape, jnp.float32)
+    per_scale = BLOCK // PLANES  # words of a 64-value scale block
+    for blk in range(scales):
+        biased = (scale_words[blk // PLANES] >> (8 * (blk % PLANES))) & 0xFF  # 2^(b - 127): b in the exponent field
+        scale = jnp.where((col >= blk * per_scale) & (col < (blk + 1) * per_scale),
+                          lax.bitcast_convert_type(biased << 23, jnp.float32), scale)
+    is_nope = col < nope_words
+    is_rope = (col >= nope_words) & (col < rope_end)
+    rope = (lax.bitcast_convert_type(words << 16, jnp.float32),
+            lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32))  # low half: the even dim
+    planes = []
+    for j in range(PLANES):
+        value = jnp.where(is_nope, e4m3_values((words >> (8 * j)) & 0xFF) * scale, 0.0)
+        planes.append(jnp.where(is_rope, rope[j], value) if j < 2 else value)
+    return planes
 
 
 def encode(x: jnp.ndarray, rope_dim: int) -> jnp.ndarray:

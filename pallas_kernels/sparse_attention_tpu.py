@@ -68,7 +68,7 @@ BLOCK_K = 128  # keys per block: a full lane width for the [H, BK] logits tile
 # tokens of a long prefill are split into several calls (each at least one block of tokens).
 MAX_PREFETCH_WORDS = 1 << 15
 TOKEN_BLOCK = 16  # tokens per q / o block as token rows: the rows of a bf16 (16, 128) tile
-PLANES = 4  # bytes of a record word
+PLANES = kv_record.PLANES
 
 
 class _Rows(NamedTuple):
@@ -80,31 +80,6 @@ class _Rows(NamedTuple):
     rope_words: int = 0
     scale_word: int = 0
     scales: int = 0
-
-
-def _record_planes(words, rows: _Rows):
-    """A block of records as words int32 `[BK, W]` -> the values of its PLANES planes, fp32
-    `[BK, W]` each (column i of plane j: NoPE dim 4i + j; planes 0 / 1 in the RoPE columns: the
-    word's even / odd dim; zero elsewhere)."""
-    col = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-    nope, rope_end = rows.nope_words, rows.nope_words + rows.rope_words
-    scale_words = [jnp.max(jnp.where(col == rows.scale_word + i, words, jnp.iinfo(jnp.int32).min), axis=1,
-                           keepdims=True) for i in range(-(-rows.scales // PLANES))]  # [BK, 1] each
-    scale = jnp.zeros(words.shape, jnp.float32)
-    per_scale = kv_record.BLOCK // PLANES  # words of a 64-value scale block
-    for blk in range(rows.scales):
-        biased = (scale_words[blk // PLANES] >> (8 * (blk % PLANES))) & 0xFF  # 2^(b - 127): b in the exponent field
-        scale = jnp.where((col >= blk * per_scale) & (col < (blk + 1) * per_scale),
-                          lax.bitcast_convert_type(biased << 23, jnp.float32), scale)
-    is_nope = col < nope
-    is_rope = (col >= nope) & (col < rope_end)
-    rope = (lax.bitcast_convert_type(words << 16, jnp.float32),
-            lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32))  # low half: the even dim
-    planes = []
-    for j in range(PLANES):
-        value = jnp.where(is_nope, kv_record.e4m3_values((words >> (8 * j)) & 0xFF) * scale, 0.0)
-        planes.append(jnp.where(is_rope, rope[j], value) if j < 2 else value)
-    return planes
 
 
 def rotated_lanes(x, cos, sin, records: bool = False):
@@ -177,7 +152,7 @@ def _kernel(idx_smem, q_ref, *refs, scale: float, n_blocks: int, block_k: int, s
             return [pltpu.bitcast(jnp.where(col >= 0, half, jnp.uint32(0)), jnp.float32)]
         if rows.kind == "records":  # a -1 slot's stale words decode to zeros, as above
             words = jnp.where(col >= 0, lax.bitcast_convert_type(buf[slot], jnp.int32), 0)
-            return _record_planes(words, rows)
+            return kv_record.decode_planes(words, rows.nope_words, rows.rope_words, rows.scale_word, rows.scales)
         return [buf[slot].astype(jnp.float32)]  # [BK, D]
 
     # Padding slots are not copied: they keep finite data (zeros, or an earlier block's rows)
